@@ -1,0 +1,285 @@
+"""``Runner``: load a bundle, adapt it on new data, evaluate, predict, save, resume, export.
+
+Torch-free: numpy + onnxruntime only. A typical session::
+
+    runner = Runner.load("bundle/", device="auto")
+    runner.adapt(X_new, y_new, epochs=5, batch_size=32)
+    runner.evaluate(X_eval, y_eval)
+    runner.save("adapted/")             # a bundle again: resume with Runner.load("adapted/")
+    runner.export_inference("model.onnx")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import secrets
+import shutil
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from ..atomic import staged_directory
+from ..bundle import BundleError, Manifest, read_manifest, sha256_file, write_manifest
+from .backend import OrtTrainingBackend, TrainingBackend
+from .errors import NonFiniteLossError
+from .validate import check_inputs, check_labels
+
+__all__ = ["Runner", "AdaptResult", "EvalResult", "SCHEDULES"]
+
+log = logging.getLogger(__name__)
+
+SCHEDULES = ("constant", "cosine")
+_MODEL_ROLES = ("training_model", "eval_model", "optimizer_model", "masks")
+
+
+@dataclass(frozen=True)
+class AdaptResult:
+    """What one :meth:`Runner.adapt` call did."""
+
+    epochs: int
+    steps: int
+    epoch_losses: tuple[float, ...]
+    time_s: float
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Mean loss over the data and, for classification bundles, accuracy."""
+
+    loss: float
+    accuracy: float | None
+    n_windows: int
+
+
+class Runner:
+    """On-device adaptation of one bundle. Create it with :meth:`Runner.load`."""
+
+    def __init__(self, bundle_dir: Path, manifest: Manifest, backend: TrainingBackend):
+        self.bundle_dir = Path(bundle_dir)
+        self.manifest = manifest
+        self._backend = backend
+        self.step = int(manifest.state.get("step", 0))
+        self.epoch = int(manifest.state.get("epoch", 0))
+
+    @classmethod
+    def load(cls, bundle_dir: str | os.PathLike, *, device: str = "auto", threads: int | None = None) -> Runner:
+        """Verify a bundle's manifest and checksums, then open a training session on ``device``.
+
+        Args:
+            bundle_dir: an exported or adapted bundle directory.
+            device: ``auto`` (CUDA if it works, else CPU with a warning), ``cuda`` or ``cpu``.
+            threads: intra-op threads; ``None`` lets ONNX Runtime decide.
+
+        Raises:
+            BundleError: not a bundle, malformed manifest, missing file or checksum mismatch.
+            DeviceUnavailableError: ``device="cuda"`` and CUDA cannot run the session.
+        """
+        bundle_dir = Path(bundle_dir)
+        manifest = read_manifest(bundle_dir, verify=True)
+        backend = OrtTrainingBackend(bundle_dir, manifest, device=device, threads=threads)
+        log.info("loaded %s on %s: %d trainable elements", bundle_dir, backend.device, manifest.trainable_numel)
+        return cls(bundle_dir, manifest, backend)
+
+    @property
+    def device(self) -> str:
+        """The device the session runs on (``cuda`` or ``cpu``)."""
+        return self._backend.device
+
+    @property
+    def learning_rate(self) -> float:
+        """The learning rate exported with the bundle (the default for :meth:`adapt`)."""
+        return float(self.manifest.optimizer["lr"])
+
+    # ---- training -------------------------------------------------------------------
+    def train_step(self, x: np.ndarray, y: np.ndarray | None = None, lr: float | None = None) -> float:
+        """One forward/backward/update on a batch; returns the loss before the update.
+
+        Raises:
+            NonFiniteLossError: the loss is NaN/inf; the update is not applied.
+        """
+        loss = self._backend.train_step(x, y)
+        if not math.isfinite(loss):
+            self._backend.discard_gradients()
+            raise NonFiniteLossError(self.step, loss)
+        self._backend.apply_update(self.learning_rate if lr is None else lr)
+        self.step += 1
+        return loss
+
+    def adapt(
+        self, X: np.ndarray, y: np.ndarray | None = None, *, epochs: int = 1, batch_size: int = 32,
+        lr: float | None = None, schedule: str = "constant", shuffle: bool = True, seed: int = 0,
+        progress: bool = True,
+    ) -> AdaptResult:
+        """Adapt on ``X`` (and ``y`` unless the loss is label-free) for ``epochs`` passes.
+
+        Data are validated against the manifest before the first step. A non-finite loss stops
+        with :class:`NonFiniteLossError`, leaving the parameters of the last good step.
+
+        Args:
+            X: float32 windows, shape as exported (batch axis first).
+            y: labels as the bundle's loss needs them, or ``None`` for a label-free loss.
+            epochs: passes over the data.
+            batch_size: windows per step; the last batch may be smaller.
+            lr: peak learning rate; default: the one exported with the bundle.
+            schedule: ``constant`` or ``cosine`` decay to zero over this call's steps.
+            shuffle: reshuffle each epoch (seeded by ``seed`` and the epoch index).
+            progress: show a progress bar.
+        """
+        check_inputs(self.manifest, X)
+        check_labels(self.manifest, y, X.shape[0])
+        if epochs < 1 or batch_size < 1:
+            raise ValueError(f"epochs and batch_size must be >= 1, got {epochs} and {batch_size}")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        peak_lr = self.learning_rate if lr is None else float(lr)
+        n = X.shape[0]
+        per_epoch = math.ceil(n / batch_size)
+        total = per_epoch * epochs
+        losses = []
+        start = time.perf_counter()
+        done = 0
+        with tqdm(total=total, desc="adapt", unit="step", disable=not progress, leave=False) as bar:
+            for e in range(epochs):
+                order = np.random.default_rng(seed + self.epoch).permutation(n) if shuffle else np.arange(n)
+                epoch_loss = 0.0
+                for b in range(per_epoch):
+                    idx = order[b * batch_size:(b + 1) * batch_size]
+                    step_lr = peak_lr if schedule == "constant" else 0.5 * peak_lr * (1 + math.cos(math.pi * done / total))
+                    loss = self.train_step(X[idx], None if y is None else y[idx], step_lr)
+                    epoch_loss += loss * len(idx)
+                    done += 1
+                    bar.update(1)
+                    bar.set_postfix(epoch=e + 1, loss=f"{loss:.4f}")
+                self.epoch += 1
+                losses.append(epoch_loss / n)
+                log.info("epoch %d: mean loss %.4f", self.epoch, losses[-1])
+        return AdaptResult(epochs, done, tuple(losses), time.perf_counter() - start)
+
+    # ---- inference ------------------------------------------------------------------
+    def _dummy_labels(self, n: int) -> np.ndarray | None:
+        spec = self.manifest.label
+        if spec is None:
+            return None
+        shape = [n, *spec["shape"][1:]]
+        return np.zeros(shape, dtype=np.dtype(spec["dtype"]))
+
+    def predict(self, X: np.ndarray, batch_size: int = 256) -> np.ndarray:
+        """Model outputs (logits) for ``X`` with the current parameters, eval mode."""
+        check_inputs(self.manifest, X)
+        outs = [self._backend.forward(X[i:i + batch_size], self._dummy_labels(len(X[i:i + batch_size])))[1]
+                for i in range(0, len(X), batch_size)]
+        return np.concatenate(outs, axis=0)
+
+    def evaluate(self, X: np.ndarray, y: np.ndarray | None = None, batch_size: int = 256) -> EvalResult:
+        """Mean loss and (for cross-entropy bundles) accuracy on ``X``/``y``."""
+        check_inputs(self.manifest, X)
+        check_labels(self.manifest, y, X.shape[0])
+        total_loss, outputs = 0.0, []
+        for i in range(0, len(X), batch_size):
+            xb = X[i:i + batch_size]
+            yb = y[i:i + batch_size] if y is not None else None
+            loss, out = self._backend.forward(xb, yb)
+            total_loss += loss * len(xb)
+            outputs.append(out)
+        logits = np.concatenate(outputs, axis=0)
+        acc = float((logits.argmax(axis=1) == y).mean()) if self.manifest.loss == "cross_entropy" else None
+        return EvalResult(total_loss / len(X), acc, len(X))
+
+    def parameters(self, trainable_only: bool = False) -> dict[str, np.ndarray]:
+        """Current values under the source model's parameter names, full shapes reassembled."""
+        out = {}
+        for e in self.manifest.parameters:
+            if trainable_only and not e.trainable_numel:
+                continue
+            if e.is_split:
+                names = e.onnx_names
+                both = np.concatenate([self._backend.get_tensor(names["trained"]), self._backend.get_tensor(names["frozen"])])
+                out[e.name] = both[self._backend.get_tensor(names["index"])]
+            else:
+                out[e.name] = self._backend.get_tensor(e.onnx_names["value"])
+        return out
+
+    # ---- persistence ----------------------------------------------------------------
+    def _state_manifest(self, checkpoint_name: str, checkpoint_sha: str) -> Manifest:
+        sha = {k: v for k, v in self.manifest.sha256.items() if k != self.manifest.files["checkpoint"]}
+        sha[checkpoint_name] = checkpoint_sha
+        return replace(self.manifest, files={**self.manifest.files, "checkpoint": checkpoint_name},
+                       sha256=sha, state={"epoch": self.epoch, "step": self.step})
+
+    def _write_checkpoint(self, directory: Path) -> tuple[str, str]:
+        name = f"checkpoint-{self.step:06d}-{secrets.token_hex(3)}"
+        tmp = directory / f".{name}.tmp"
+        try:
+            self._backend.save_checkpoint(tmp)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, directory / name)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        return name, sha256_file(directory / name)
+
+    def _same_graphs(self, other: Path) -> bool:
+        try:
+            theirs = read_manifest(other, verify=False)
+        except BundleError:
+            return False
+        mine = self.manifest
+        return all(theirs.sha256.get(theirs.files[r]) == mine.sha256.get(mine.files[r]) for r in _MODEL_ROLES)
+
+    def save(self, out_dir: str | os.PathLike | None = None) -> Path:
+        """Save parameters, optimizer state and progress as a bundle; resume with :meth:`load`.
+
+        ``out_dir`` defaults to the bundle the runner was loaded from. A new directory is built
+        aside and renamed into place. An existing bundle of the same graphs is updated in place:
+        a new checkpoint file is written, then the manifest is switched to it atomically, then
+        the old checkpoint is removed, so a crash leaves the previous checkpoint loadable.
+
+        Raises:
+            FileExistsError: ``out_dir`` exists and is not a bundle of the same graphs.
+        """
+        out = Path(out_dir) if out_dir is not None else self.bundle_dir
+        if out.exists():
+            if not self._same_graphs(out):
+                raise FileExistsError(
+                    f"{out} exists and is not a bundle of the same model; choose a new directory or remove it"
+                )
+            previous = read_manifest(out, verify=False).files["checkpoint"]
+            name, sha = self._write_checkpoint(out)
+            write_manifest(out, self._state_manifest(name, sha))
+            if previous != name:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(out / previous)
+            for stray in out.glob(".checkpoint-*.tmp"):
+                stray.unlink(missing_ok=True)
+        else:
+            with staged_directory(out) as stage:
+                for role in _MODEL_ROLES:
+                    shutil.copyfile(self.bundle_dir / self.manifest.files[role], stage / self.manifest.files[role])
+                name, sha = self._write_checkpoint(stage)
+                write_manifest(stage, self._state_manifest(name, sha))
+        self.manifest = read_manifest(out, verify=False)
+        self.bundle_dir = out
+        log.info("saved step %d to %s", self.step, out)
+        return out
+
+    def export_inference(self, path: str | os.PathLike) -> Path:
+        """Write a plain ONNX model (input -> output) with the current parameters, atomically."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(3)}.tmp")
+        try:
+            self._backend.export_inference(tmp, [self.manifest.output.name])
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        return path

@@ -1,0 +1,68 @@
+"""Checks of data against a bundle's input and label specifications, before any step runs."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..bundle import Manifest
+from .errors import InputError
+
+__all__ = ["check_inputs", "check_labels"]
+
+
+def check_inputs(manifest: Manifest, x: np.ndarray, what: str = "X") -> None:
+    """Raise :class:`InputError` unless ``x`` is a finite float32 batch of the bundle's input shape."""
+    spec = manifest.input
+    if not isinstance(x, np.ndarray):
+        raise InputError(f"{what} must be a numpy array, got {type(x).__name__}")
+    if x.dtype != np.dtype(spec.dtype):
+        raise InputError(f"{what} has dtype {x.dtype}, the bundle expects {spec.dtype}; convert with {what}.astype(np.{spec.dtype})")
+    want = spec.shape
+    if x.ndim != len(want) or any(w is not None and w != g for w, g in zip(want, x.shape)):
+        shown = ["batch" if w is None else w for w in want]
+        raise InputError(
+            f"{what} has shape {list(x.shape)}, the bundle expects {shown} "
+            "(windows, channels, time steps as exported); window and transpose the data to match"
+        )
+    if x.shape[0] == 0:
+        raise InputError(f"{what} is empty")
+    if not np.isfinite(x).all():
+        n = int((~np.isfinite(x)).sum())
+        raise InputError(f"{what} contains {n} NaN or infinite values; clean or impute them first")
+
+
+def check_labels(manifest: Manifest, y: np.ndarray | None, n_windows: int, what: str = "y") -> None:
+    """Raise :class:`InputError` unless ``y`` suits the bundle's loss (or is absent for a label-free one)."""
+    spec = manifest.label
+    if spec is None:
+        if y is not None:
+            raise InputError(f"the bundle's loss {manifest.loss!r} is label-free; do not pass {what}")
+        return
+    if y is None:
+        raise InputError(f"the bundle's loss {manifest.loss!r} needs labels; pass {what}")
+    if not isinstance(y, np.ndarray):
+        raise InputError(f"{what} must be a numpy array, got {type(y).__name__}")
+    if y.shape[0] != n_windows:
+        raise InputError(f"{what} has {y.shape[0]} entries but X has {n_windows} windows; they must match")
+    if manifest.loss == "cross_entropy":
+        if not np.issubdtype(y.dtype, np.integer):
+            raise InputError(f"{what} must hold integer class indices for cross_entropy, got dtype {y.dtype}")
+        if y.ndim != 1:
+            raise InputError(f"{what} must have shape (windows,), got {list(y.shape)}")
+        n = spec["n_classes"]
+        lo, hi = int(y.min()), int(y.max())
+        if lo < 0 or hi >= n:
+            raise InputError(
+                f"{what} has labels in [{lo}, {hi}] but the model has {n} classes (0..{n - 1}); "
+                "map the labels to the classes the source model was trained on"
+            )
+        return
+    want = spec["shape"]
+    if y.ndim != len(want) or any(w is not None and w != g for w, g in zip(want, y.shape)):
+        raise InputError(f"{what} has shape {list(y.shape)}, the bundle expects {['batch' if w is None else w for w in want]}")
+    if not np.issubdtype(y.dtype, np.floating):
+        raise InputError(f"{what} must be float targets for {manifest.loss}, got dtype {y.dtype}")
+    if not np.isfinite(y).all():
+        raise InputError(f"{what} contains NaN or infinite values")
+    if manifest.loss == "bce_with_logits" and (y.min() < 0 or y.max() > 1):
+        raise InputError(f"{what} must lie in [0, 1] for bce_with_logits, got [{y.min()}, {y.max()}]")

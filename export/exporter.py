@@ -1,0 +1,164 @@
+"""``export_bundle``: a torch model and an example input -> an on-device training bundle."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime
+import torch
+from torch import nn
+
+from ..atomic import staged_directory
+from ..bundle import Manifest, TensorSpec, sha256_file, write_manifest
+from .graph import MAX_IR_VERSION, UnsupportedOpError, module_of_node, to_onnx
+from .objectives import LOSSES, OptimizerConfig, loss_block, optimizer_block, use_torch_adamw
+from .policy import UpdatePolicy
+from .prepare import channel_masks, prepare_model
+
+__all__ = ["export_bundle", "REWRITE_TOLERANCE"]
+
+log = logging.getLogger(__name__)
+
+# The prepared (rewritten) model must reproduce the original's eval output to this tolerance.
+REWRITE_TOLERANCE = 1e-4
+INPUT_NAME, OUTPUT_NAME = "input", "output"
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for pkg in ("edgeadapt", "torch", "onnx", "numpy"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    out["onnxruntime"] = onnxruntime.__version__
+    return out
+
+
+def _label_spec(loss: str, output_shape: tuple[int, ...]) -> dict | None:
+    if loss == "entropy":
+        return None
+    if loss == "cross_entropy":
+        if len(output_shape) != 2:
+            raise ValueError(
+                f"cross_entropy needs logits of shape (batch, classes); the model returns {list(output_shape)}"
+            )
+        return {"name": "labels", "shape": [None], "dtype": "int64", "n_classes": int(output_shape[1])}
+    return {"name": "labels", "shape": [None, *output_shape[1:]], "dtype": "float32", "n_classes": None}
+
+
+def _generate(model_proto: onnx.ModelProto, entries, loss: str, opt: OptimizerConfig, directory: Path) -> None:
+    from onnxruntime.training import artifacts
+
+    trainable = [n for e in entries if e.trainable_numel for n in
+                 ([e.onnx_names["trained"]] if e.is_split else [e.onnx_names["value"]])]
+    frozen = [i.name for i in model_proto.graph.initializer if i.name not in set(trainable)]
+    try:
+        artifacts.generate_artifacts(
+            model_proto, requires_grad=trainable, frozen_params=frozen, loss=loss_block(loss),
+            optimizer=optimizer_block(opt), artifact_directory=directory, additional_output_names=[OUTPUT_NAME],
+        )
+    except RuntimeError as e:
+        m = re.search(r"has not been registered: (\w+) for node (\S+)", str(e))
+        if not m:
+            raise
+        op = m.group(1)
+        modules = sorted({module_of_node(n.name) for n in model_proto.graph.node if n.op_type == op})
+        raise UnsupportedOpError(op, modules, "ONNX Runtime has no gradient for it") from None
+
+
+def export_bundle(
+    model: nn.Module,
+    example_input: torch.Tensor,
+    out_dir: str | Path,
+    *,
+    policy: UpdatePolicy | None = None,
+    loss: str = "cross_entropy",
+    optimizer: str | OptimizerConfig = "adamw",
+    batchnorm: str = "frozen",
+) -> Manifest:
+    """Export ``model`` to an on-device training bundle at ``out_dir``.
+
+    Args:
+        model: the source model; it is deep-copied and never modified.
+        example_input: one batch, float32, shape (batch, ...); axis 0 becomes dynamic.
+        out_dir: the bundle directory to create; it must not exist. Written atomically: on any
+            error nothing is left at ``out_dir``.
+        policy: which parameters / biases / channels train; default: the ``head`` module only.
+        loss: one of ``cross_entropy``, ``mse``, ``bce_with_logits``, ``entropy`` (label-free).
+        optimizer: ``"adamw"``, ``"sgd"`` or an :class:`OptimizerConfig`.
+        batchnorm: ``"frozen"`` (running statistics fixed; default) or ``"batch"`` (ONNX Runtime
+            trains with batch statistics and updates the running ones).
+
+    Returns:
+        The manifest written into the bundle.
+
+    Raises:
+        UnsupportedOpError: an op cannot be exported or differentiated (names op and module).
+        ValueError: bad arguments, with the fix in the message.
+        FileExistsError: ``out_dir`` exists.
+    """
+    policy = policy or UpdatePolicy.last_layer()
+    opt = OptimizerConfig(optimizer) if isinstance(optimizer, str) else optimizer
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
+    if not isinstance(example_input, torch.Tensor) or example_input.dtype != torch.float32 or example_input.dim() < 2:
+        raise ValueError("example_input must be a float32 torch.Tensor of shape (batch, ...)")
+    if Path(out_dir).exists():
+        raise FileExistsError(f"{out_dir} already exists; choose a new bundle directory or remove it")
+
+    prepared = prepare_model(model, policy, batchnorm)
+    with torch.no_grad():
+        reference = copy_eval(model)(example_input)
+        output = prepared.module(example_input)
+    if not isinstance(output, torch.Tensor):
+        raise ValueError("the model must return a single tensor (logits or regression output)")
+    gap = float((output - reference).abs().max())
+    if gap > REWRITE_TOLERANCE:
+        raise RuntimeError(f"internal: the rewritten model differs from the original by {gap:.3g}")
+    label = _label_spec(loss, tuple(output.shape))
+
+    model_proto, entries = to_onnx(prepared.module, example_input, prepared.entries, INPUT_NAME, OUTPUT_NAME)
+    onnxruntime.set_default_logger_severity(3)
+    with staged_directory(out_dir) as stage:
+        _generate(model_proto, entries, loss, opt, stage)
+        opt_path = stage / "optimizer_model.onnx"
+        opt_model = onnx.load(opt_path)
+        if use_torch_adamw(opt_model):
+            onnx.save(opt_model, opt_path)
+        for f in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx"):
+            ir = onnx.load(stage / f, load_external_data=False).ir_version
+            if ir > MAX_IR_VERSION:
+                raise RuntimeError(
+                    f"{f} has ONNX IR version {ir}; ONNX Runtime 1.19.2 loads <= {MAX_IR_VERSION}. "
+                    "Install onnx==1.17.0 (pip install 'edgeadapt[server]')"
+                )
+        np.savez(stage / "masks.npz", **channel_masks(entries, prepared.trained_channels))
+        files = {
+            "training_model": "training_model.onnx", "eval_model": "eval_model.onnx",
+            "optimizer_model": "optimizer_model.onnx", "checkpoint": "checkpoint", "masks": "masks.npz",
+        }
+        manifest = Manifest(
+            files=files,
+            sha256={name: sha256_file(stage / name) for name in files.values()},
+            input=TensorSpec(INPUT_NAME, (None, *example_input.shape[1:]), "float32"),
+            output=TensorSpec(OUTPUT_NAME, (None, *output.shape[1:]), "float32"),
+            label=label, loss=loss, optimizer=opt.to_dict(), batchnorm=batchnorm,
+            policy=policy.to_dict(), parameters=entries, versions=_versions(),
+            state={"epoch": 0, "step": 0},
+        )
+        write_manifest(stage, manifest)
+    log.info("exported bundle to %s: %d of %d parameter elements train",
+             out_dir, manifest.trainable_numel, manifest.total_numel)
+    return manifest
+
+
+def copy_eval(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` in eval mode (export never changes the caller's train/eval state)."""
+    return copy.deepcopy(model).eval()

@@ -1,0 +1,176 @@
+"""torch module -> ONNX ModelProto ready for ONNX Runtime's artifact generator.
+
+Uses the TorchScript-based exporter (``dynamo=False``) in EVAL mode with a dynamic batch axis and
+no constant folding (folding would bake trainable parameters into constants). Afterwards:
+
+* initializers the exporter merged because their values were equal (a fresh BatchNorm's
+  ``weight`` and ``running_var`` are both ones) are restored under their own names;
+* channel-split tensors get readable names: ``<param>.trained``, ``<param>.frozen``,
+  ``<param>.index``.
+
+An op that the exporter or ONNX Runtime's gradient builder cannot handle raises
+:class:`UnsupportedOpError` naming the op and the module path it comes from.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import re
+import warnings
+
+import onnx
+import torch
+from onnx import numpy_helper
+from torch import nn
+
+from ..bundle import ParameterEntry
+
+__all__ = ["UnsupportedOpError", "OPSET", "MAX_IR_VERSION", "to_onnx", "module_of_node", "split_names"]
+
+log = logging.getLogger(__name__)
+
+OPSET = 17
+MAX_IR_VERSION = 10  # ONNX Runtime 1.19.2 loads IR <= 10
+
+
+class UnsupportedOpError(ValueError):
+    """An op in the model cannot be exported or differentiated.
+
+    Attributes:
+        op: the op name (``aten::fft_rfft`` or the ONNX op type).
+        modules: module paths where it occurs (``<root>`` for the top-level forward).
+    """
+
+    def __init__(self, op: str, modules: list[str], stage: str):
+        self.op, self.modules = op, modules
+        where = ", ".join(modules) if modules else "an unknown module"
+        super().__init__(
+            f"unsupported op {op!r} in module {where}: {stage}. Rewrite that module with supported "
+            "ops (Conv, Linear, norms, ReLU/ReLU6/GELU, pooling, add, softmax, matmul) or freeze "
+            "everything before it so no gradient has to flow through it"
+        )
+
+
+def _module_from_scope(scope: str) -> str:
+    # TorchScript scopes look like "__module.blocks/__module.blocks.0/__module.blocks.0.conv"
+    last = scope.split("/")[-1] if scope else ""
+    return last.removeprefix("__module.") or "<root>"
+
+
+def _modules_using_aten_op(model: nn.Module, example: torch.Tensor, op: str) -> list[str]:
+    base = op.removeprefix("aten::")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = torch.jit.trace(model, (example,), check_trace=False).inlined_graph
+    found = []
+    for node in graph.nodes():
+        kind = node.kind().removeprefix("aten::")
+        if kind == base or kind.endswith("_" + base) or base.endswith("_" + kind):
+            path = _module_from_scope(node.scopeName())
+            if path not in found:
+                found.append(path)
+    return found
+
+
+def module_of_node(node_name: str) -> str:
+    """Module path from an exported node name: ``/blocks.0/conv/Conv`` -> ``blocks.0.conv``."""
+    parts = [p for p in node_name.split("/") if p][:-1]
+    return ".".join(parts) or "<root>"
+
+
+def split_names(param_name: str) -> dict[str, str]:
+    """Graph names of the slices of a channel-split parameter."""
+    return {"trained": f"{param_name}.trained", "frozen": f"{param_name}.frozen", "index": f"{param_name}.index"}
+
+
+def _restore_merged_initializers(model: onnx.ModelProto, values: dict[str, torch.Tensor]) -> int:
+    inits = {i.name for i in model.graph.initializer}
+    restored = 0
+    keep = []
+    for node in model.graph.node:
+        out = node.output[0] if node.output else None
+        if node.op_type == "Identity" and out in values and out not in inits and node.input[0] in inits:
+            model.graph.initializer.append(numpy_helper.from_array(values[out].detach().cpu().numpy(), out))
+            inits.add(out)
+            restored += 1
+        else:
+            keep.append(node)
+    if restored:
+        del model.graph.node[:]
+        model.graph.node.extend(keep)
+        used = {i for n in model.graph.node for i in n.input}
+        unused = [i for i in model.graph.initializer if i.name not in used]
+        for i in unused:
+            model.graph.initializer.remove(i)
+    return restored
+
+
+def _rename(model: onnx.ModelProto, old: str, new: str) -> None:
+    for init in model.graph.initializer:
+        if init.name == old:
+            init.name = new
+    for node in model.graph.node:
+        for k, name in enumerate(node.input):
+            if name == old:
+                node.input[k] = new
+
+
+def to_onnx(
+    module: nn.Module, example: torch.Tensor, entries: tuple[ParameterEntry, ...],
+    input_name: str = "input", output_name: str = "output",
+) -> tuple[onnx.ModelProto, tuple[ParameterEntry, ...]]:
+    """Export ``module`` (already prepared) and map ``entries`` to the graph's initializer names.
+
+    Returns:
+        The ONNX model and the entries with ``onnx_names`` pointing at graph initializers.
+
+    Raises:
+        UnsupportedOpError: the exporter has no ONNX form for an op.
+        ValueError: the model does not return a single tensor.
+    """
+    buf = io.BytesIO()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(
+                module, (example,), buf, dynamo=False, opset_version=OPSET,
+                do_constant_folding=False, training=torch.onnx.TrainingMode.EVAL,
+                input_names=[input_name], output_names=[output_name],
+                dynamic_axes={input_name: {0: "batch"}, output_name: {0: "batch"}},
+            )
+    except torch.onnx.errors.UnsupportedOperatorError as e:
+        m = re.search(r"operator '([\w:.]+)'", str(e))
+        op = m.group(1) if m else "unknown"
+        raise UnsupportedOpError(op, _modules_using_aten_op(module, example, op),
+                                 f"the ONNX exporter (opset {OPSET}) has no conversion for it") from None
+    model = onnx.load_from_string(buf.getvalue())
+    if len(model.graph.output) != 1:
+        raise ValueError(
+            f"the model returns {len(model.graph.output)} outputs; export a module whose forward "
+            "returns one tensor (the logits or regression output)"
+        )
+    values = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    n = _restore_merged_initializers(model, values)
+    if n:
+        log.debug("restored %d initializers merged by the exporter", n)
+
+    inits = {i.name for i in model.graph.initializer}
+    mapped = []
+    for e in entries:
+        if e.is_split:
+            names = split_names(e.name)
+            for role in ("trained", "frozen", "index"):
+                _rename(model, e.onnx_names[role], names[role])
+            mapped.append(ParameterEntry(e.name, e.shape, e.mode, names, e.trainable_numel))
+        else:
+            mapped.append(e)
+    inits = {i.name for i in model.graph.initializer}
+    for e in mapped:
+        for name in e.onnx_names.values():
+            if name not in inits and e.trainable_numel:
+                raise RuntimeError(
+                    f"trainable tensor {name} of parameter {e.name} is not an initializer of the "
+                    "exported graph; the forward must use the parameter directly"
+                )
+    return model, tuple(mapped)

@@ -1,0 +1,112 @@
+"""Losses and optimizers of the training artifacts, as ONNX Runtime onnxblock graphs.
+
+Losses (mean over the batch, as torch's defaults):
+    cross_entropy    logits (N, C) and int64 labels (N,)
+    mse              output and float labels of the same shape
+    bce_with_logits  logits and float targets in [0, 1] of the same shape
+    entropy          label-free: mean over the batch of H(softmax(logits)) (entropy minimisation)
+
+Optimizers follow torch semantics: ``adamw`` is torch.optim.AdamW (decoupled decay applied
+before the moment update); ``sgd`` is plain SGD without momentum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnx
+from onnxruntime.training import artifacts, onnxblock
+from onnxruntime.training.onnxblock import _graph_utils
+
+__all__ = ["LOSSES", "OPTIMIZERS", "OptimizerConfig", "EntropyLoss", "loss_block", "optimizer_block", "use_torch_adamw"]
+
+LOSSES = ("cross_entropy", "mse", "bce_with_logits", "entropy")
+OPTIMIZERS = ("adamw", "sgd")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Optimizer hyper-parameters baked into the optimizer graph (the learning rate is set per step)."""
+
+    name: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.name!r}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.name == "sgd" and self.weight_decay:
+            raise ValueError("sgd here has no weight decay; use weight_decay=0 or optimizer='adamw'")
+
+    def to_dict(self) -> dict:
+        d = {"name": self.name, "lr": self.lr, "weight_decay": self.weight_decay}
+        if self.name == "adamw":
+            d.update(betas=list(self.betas), eps=self.eps)
+        return d
+
+
+class EntropyLoss(onnxblock.Block):
+    """Mean Shannon entropy of softmax(logits) over the last axis: a label-free objective."""
+
+    def build(self, logits_name: str) -> str:
+        g = self.base.graph
+        p = _graph_utils.generate_graph_name("entropy.p")
+        logp = _graph_utils.generate_graph_name("entropy.logp")
+        plogp = _graph_utils.generate_graph_name("entropy.plogp")
+        axes = _graph_utils.generate_graph_name("entropy.axes")
+        per_sample = _graph_utils.generate_graph_name("entropy.per_sample")
+        neg_mean = _graph_utils.generate_graph_name("entropy.neg_mean")
+        out = _graph_utils.generate_graph_name("entropy.loss")
+        g.initializer.append(onnx.helper.make_tensor(axes, onnx.TensorProto.INT64, [1], [-1]))
+        g.node.extend([
+            onnx.helper.make_node("Softmax", [logits_name], [p], axis=-1, name=p + "_node"),
+            onnx.helper.make_node("LogSoftmax", [logits_name], [logp], axis=-1, name=logp + "_node"),
+            onnx.helper.make_node("Mul", [p, logp], [plogp], name=plogp + "_node"),
+            onnx.helper.make_node("ReduceSum", [plogp, axes], [per_sample], keepdims=0, name=per_sample + "_node"),
+            onnx.helper.make_node("ReduceMean", [per_sample], [neg_mean], keepdims=0, name=neg_mean + "_node"),
+            onnx.helper.make_node("Neg", [neg_mean], [out], name=out + "_node"),
+        ])
+        return out
+
+
+def loss_block(loss: str):
+    """The ``generate_artifacts`` loss argument for a loss name."""
+    builtin = {
+        "cross_entropy": artifacts.LossType.CrossEntropyLoss,
+        "mse": artifacts.LossType.MSELoss,
+        "bce_with_logits": artifacts.LossType.BCEWithLogitsLoss,
+    }
+    if loss == "entropy":
+        return EntropyLoss()
+    if loss not in builtin:
+        raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
+    return builtin[loss]
+
+
+def optimizer_block(cfg: OptimizerConfig) -> onnxblock.Block:
+    """The ``generate_artifacts`` optimizer argument for a configuration."""
+    if cfg.name == "sgd":
+        return onnxblock.optim.SGD()
+    return onnxblock.optim.AdamW(bias_correction=True, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+def use_torch_adamw(optimizer_model: onnx.ModelProto) -> int:
+    """Switch every AdamWOptimizer node to torch.optim.AdamW semantics (``adam_mode=0``).
+
+    onnxblock builds the Hugging Face variant (``adam_mode=1``), which applies weight decay after
+    the moment update; torch applies it before. Returns the number of nodes changed.
+    """
+    changed = 0
+    for node in optimizer_model.graph.node:
+        if node.op_type == "AdamWOptimizer":
+            for attr in node.attribute:
+                if attr.name == "adam_mode":
+                    attr.i = 0
+                    changed += 1
+    return changed

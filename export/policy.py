@@ -1,0 +1,203 @@
+"""Update policies: which parameters, biases and output channels may change on the device.
+
+A policy is a value (JSON round-trip, no torch). It is a list of rules matched in order against
+module paths with shell-style patterns (``fnmatch``); the first matching rule decides the mode
+of a module's own parameters, and modules no rule matches get ``default``::
+
+    UpdatePolicy(rules=(Rule("head", "full"), Rule("blocks.3.conv", "channels", ratio=0.25)),
+                 default="frozen")
+
+Modes:
+    frozen:   nothing changes.
+    bias:     only the module's ``bias`` changes.
+    full:     every parameter of the module changes.
+    channels: a subset of output channels (axis 0) of every parameter of the module changes,
+              given as explicit ``indices`` or as a ``ratio`` of channels picked by weight
+              magnitude (largest L2 norm of the output channel's weights).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Mode", "Rule", "UpdatePolicy", "ParamUpdate", "resolve_channels"]
+
+
+class Mode(str, Enum):
+    """How a parameter may change during adaptation."""
+
+    FROZEN = "frozen"
+    BIAS = "bias"
+    FULL = "full"
+    CHANNELS = "channels"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Mode for the modules whose path matches ``pattern`` (and, if given, whose class is in ``types``).
+
+    Attributes:
+        pattern: ``fnmatch`` pattern over module paths, e.g. ``"head"``, ``"blocks.3.*"``, ``"*"``.
+        mode: a :class:`Mode` or its string value.
+        indices: for ``channels``: the output channels that train.
+        ratio: for ``channels``: the fraction of output channels that train, in (0, 1].
+        types: optional module class names the rule is restricted to, e.g. ``("BatchNorm1d",)``.
+    """
+
+    pattern: str
+    mode: Mode | str
+    indices: tuple[int, ...] | None = None
+    ratio: float | None = None
+    types: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", Mode(self.mode))
+        if self.indices is not None:
+            object.__setattr__(self, "indices", tuple(int(i) for i in self.indices))
+        if self.types is not None:
+            object.__setattr__(self, "types", tuple(self.types))
+        if self.mode is Mode.CHANNELS:
+            if (self.indices is None) == (self.ratio is None):
+                raise ValueError(f"rule {self.pattern!r}: mode 'channels' needs exactly one of indices= or ratio=")
+            if self.ratio is not None and not 0.0 < self.ratio <= 1.0:
+                raise ValueError(f"rule {self.pattern!r}: ratio must be in (0, 1], got {self.ratio}")
+            if self.indices is not None and (not self.indices or min(self.indices) < 0):
+                raise ValueError(f"rule {self.pattern!r}: indices must be a non-empty list of channels >= 0")
+        elif self.indices is not None or self.ratio is not None:
+            raise ValueError(f"rule {self.pattern!r}: indices/ratio only apply to mode 'channels', not {self.mode.value!r}")
+
+    def matches(self, module_path: str, module_type: str) -> bool:
+        if self.types is not None and module_type not in self.types:
+            return False
+        return fnmatch.fnmatchcase(module_path, self.pattern)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"pattern": self.pattern, "mode": self.mode.value}
+        if self.indices is not None:
+            d["indices"] = list(self.indices)
+        if self.ratio is not None:
+            d["ratio"] = self.ratio
+        if self.types is not None:
+            d["types"] = list(self.types)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Rule:
+        return cls(d["pattern"], d["mode"], d.get("indices"), d.get("ratio"), d.get("types"))
+
+
+NORM_TYPES = ("BatchNorm1d", "BatchNorm2d", "LayerNorm", "FrozenBatchNorm")
+
+
+@dataclass(frozen=True)
+class UpdatePolicy:
+    """Ordered rules plus a default mode; see the module docstring."""
+
+    rules: tuple[Rule, ...] = ()
+    default: Mode | str = Mode.FROZEN
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rules", tuple(self.rules))
+        object.__setattr__(self, "default", Mode(self.default))
+        if self.default is Mode.CHANNELS:
+            raise ValueError("the default mode cannot be 'channels'; give a rule with a pattern instead")
+
+    # ---- common policies -------------------------------------------------------------
+    @classmethod
+    def full(cls) -> UpdatePolicy:
+        """Every parameter trains (full fine-tuning)."""
+        return cls(default=Mode.FULL)
+
+    @classmethod
+    def last_layer(cls, module: str = "head") -> UpdatePolicy:
+        """Only ``module`` (the classifier head by default) trains."""
+        return cls(rules=(Rule(module, Mode.FULL),))
+
+    @classmethod
+    def bias_and_norm(cls) -> UpdatePolicy:
+        """Every bias plus the affine weights of normalisation layers (TinyTL / BitFit style)."""
+        return cls(rules=(Rule("*", Mode.FULL, types=NORM_TYPES),), default=Mode.BIAS)
+
+    @classmethod
+    def sparse_channels(cls, modules: tuple[str, ...] | list[str], ratio: float, head: str = "head") -> UpdatePolicy:
+        """The head trains fully; the given modules train a ``ratio`` of their output channels."""
+        return cls(rules=(Rule(head, Mode.FULL), *(Rule(m, Mode.CHANNELS, ratio=ratio) for m in modules)))
+
+    # ---- resolution ------------------------------------------------------------------
+    def rule_for(self, module_path: str, module_type: str) -> Rule | None:
+        for rule in self.rules:
+            if rule.matches(module_path, module_type):
+                return rule
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rules": [r.to_dict() for r in self.rules], "default": self.default.value}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> UpdatePolicy:
+        return cls(tuple(Rule.from_dict(r) for r in d.get("rules", ())), d.get("default", "frozen"))
+
+    @classmethod
+    def parse(cls, spec: str) -> UpdatePolicy:
+        """Parse the command-line form.
+
+        Named policies: ``full``, ``last-layer``, ``bias-norm``. Otherwise comma-separated
+        ``pattern=mode`` items, where mode is ``frozen|bias|full|channels:RATIO|channels:I+J+K``;
+        an item ``*=mode`` sets the default. Example: ``head=full,blocks.3.conv=channels:0.25``.
+        """
+        named = {"full": cls.full, "last-layer": cls.last_layer, "bias-norm": cls.bias_and_norm}
+        if spec in named:
+            return named[spec]()
+        rules, default = [], Mode.FROZEN
+        for item in filter(None, (s.strip() for s in spec.split(","))):
+            if "=" not in item:
+                raise ValueError(
+                    f"policy item {item!r} is not pattern=mode; use e.g. 'head=full' or one of {sorted(named)}"
+                )
+            pattern, mode = (s.strip() for s in item.split("=", 1))
+            if mode.startswith("channels:"):
+                arg = mode.split(":", 1)[1]
+                if "+" in arg or arg.isdigit():
+                    rules.append(Rule(pattern, Mode.CHANNELS, indices=tuple(int(i) for i in arg.split("+"))))
+                else:
+                    rules.append(Rule(pattern, Mode.CHANNELS, ratio=float(arg)))
+            elif pattern == "*":
+                default = Mode(mode)
+            else:
+                rules.append(Rule(pattern, Mode(mode)))
+        return cls(tuple(rules), default)
+
+
+@dataclass(frozen=True)
+class ParamUpdate:
+    """The resolved update of one parameter: its mode and, for ``channels``, the trained channels."""
+
+    mode: Mode
+    channels: tuple[int, ...] | None = field(default=None)
+
+
+def resolve_channels(rule: Rule, module_path: str, weight: np.ndarray) -> tuple[int, ...]:
+    """The sorted output channels that ``rule`` trains for a module whose weight is ``weight``.
+
+    Raises:
+        ValueError: explicit indices out of range for the module's output channels.
+    """
+    n_out = weight.shape[0]
+    if rule.indices is not None:
+        bad = [i for i in rule.indices if i >= n_out]
+        if bad:
+            raise ValueError(
+                f"policy rule {rule.pattern!r}: channels {bad} out of range for {module_path} "
+                f"which has {n_out} output channels"
+            )
+        return tuple(sorted(set(rule.indices)))
+    k = max(1, math.ceil(rule.ratio * n_out))
+    norms = np.linalg.norm(weight.reshape(n_out, -1), axis=1)
+    # Stable sort on -norm: ties keep the lower index, so the choice is deterministic.
+    return tuple(sorted(np.argsort(-norms, kind="stable")[:k].tolist()))
