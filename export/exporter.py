@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+import os
 import re
+import sys
+import tempfile
 from importlib import metadata
 from pathlib import Path
 
@@ -53,6 +57,28 @@ def _label_spec(loss: str, output_shape: tuple[int, ...]) -> dict | None:
     return {"name": "labels", "shape": [None, *output_shape[1:]], "dtype": "float32", "n_classes": None}
 
 
+@contextlib.contextmanager
+def _native_stderr_to_log():
+    """Route what ONNX Runtime's C++ code prints on file descriptor 2 into this module's debug log.
+
+    The gradient-graph builder logs every graph transformer at info level straight to stderr,
+    bypassing Python; a user should see our progress and errors, not hundreds of those lines.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            text = sink.read().decode(errors="replace")
+            if text:
+                log.debug("onnxruntime native output:\n%s", text)
+
+
 def _generate(model_proto: onnx.ModelProto, entries, loss: str, opt: OptimizerConfig, directory: Path) -> None:
     from onnxruntime.training import artifacts
 
@@ -60,10 +86,12 @@ def _generate(model_proto: onnx.ModelProto, entries, loss: str, opt: OptimizerCo
                  ([e.onnx_names["trained"]] if e.is_split else [e.onnx_names["value"]])]
     frozen = [i.name for i in model_proto.graph.initializer if i.name not in set(trainable)]
     try:
-        artifacts.generate_artifacts(
-            model_proto, requires_grad=trainable, frozen_params=frozen, loss=loss_block(loss),
-            optimizer=optimizer_block(opt), artifact_directory=directory, additional_output_names=[OUTPUT_NAME],
-        )
+        with _native_stderr_to_log():
+            artifacts.generate_artifacts(
+                model_proto, requires_grad=trainable, frozen_params=frozen, loss=loss_block(loss),
+                optimizer=optimizer_block(opt), artifact_directory=directory,
+                additional_output_names=[OUTPUT_NAME],
+            )
     except RuntimeError as e:
         m = re.search(r"has not been registered: (\w+) for node (\S+)", str(e))
         if not m:

@@ -19,6 +19,7 @@ import logging
 import re
 import warnings
 
+import numpy as np
 import onnx
 import torch
 from onnx import numpy_helper
@@ -106,6 +107,40 @@ def _restore_merged_initializers(model: onnx.ModelProto, values: dict[str, torch
     return restored
 
 
+def _fit_for_ort_gradients(model: onnx.ModelProto) -> None:
+    """Rewrite two patterns whose gradients ONNX Runtime 1.19.2 gets wrong or cannot build.
+
+    * Grouped Conv (``group > 1``, e.g. depthwise): its ConvGrad kernel overwrites the incoming
+      output-gradient buffer. When that buffer is shared (the conv feeds a residual Add, or has
+      several consumers) the other branch receives garbage. A ``Mul`` by a ones tensor after the
+      conv gives the ConvGrad a private gradient buffer; forward values are unchanged.
+    * LayerNormalization exported with only ``Y``: the gradient builder needs the optional
+      ``Mean`` and ``InvStdDev`` outputs, so they are declared.
+    """
+    nodes = []
+    for node in model.graph.node:
+        nodes.append(node)
+        if node.op_type == "LayerNormalization" and len(node.output) == 1:
+            node.output.extend([f"{node.output[0]}__mean", f"{node.output[0]}__inv_std"])
+        group = next((a.i for a in node.attribute if a.name == "group"), 1)
+        if node.op_type == "Conv" and group > 1:
+            out = node.output[0]
+            raw, ones = f"{out}__grouped_conv", f"{out}__ones"
+            node.output[0] = raw
+            rank = _conv_rank(model, node)
+            model.graph.initializer.append(numpy_helper.from_array(np.ones([1] * rank, dtype=np.float32), ones))
+            nodes.append(onnx.helper.make_node("Mul", [raw, ones], [out], name=f"{node.name}_private_grad"))
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+
+
+def _conv_rank(model: onnx.ModelProto, node: onnx.NodeProto) -> int:
+    kernel = next((list(a.ints) for a in node.attribute if a.name == "kernel_shape"), None)
+    if kernel is None:
+        raise RuntimeError(f"Conv node {node.name} has no kernel_shape attribute; cannot rewrite it")
+    return 2 + len(kernel)
+
+
 def _rename(model: onnx.ModelProto, old: str, new: str) -> None:
     for init in model.graph.initializer:
         if init.name == old:
@@ -155,6 +190,7 @@ def to_onnx(
     if n:
         log.debug("restored %d initializers merged by the exporter", n)
 
+    _fit_for_ort_gradients(model)
     inits = {i.name for i in model.graph.initializer}
     mapped = []
     for e in entries:

@@ -1,0 +1,270 @@
+"""``edgeadapt`` command line: export, inspect, adapt, evaluate, export-inference, quickstart.
+
+Only ``export`` and ``quickstart`` import torch; the device-side commands (inspect, adapt,
+evaluate, export-inference) run with numpy + onnxruntime alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+from pathlib import Path
+
+__all__ = ["main", "build_parser"]
+
+log = logging.getLogger(__name__)
+
+
+# ---- helpers --------------------------------------------------------------------------
+def _load_factory(spec: str):
+    if ":" not in spec:
+        raise ValueError(f"model {spec!r} must be given as module:factory, e.g. mypkg.models:make_net")
+    mod_name, attr = spec.split(":", 1)
+    sys.path.insert(0, str(Path.cwd()))
+    try:
+        module = importlib.import_module(mod_name)
+    finally:
+        sys.path.pop(0)
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ValueError(f"module {mod_name!r} has no attribute {attr!r}") from None
+
+
+def _load_data(path: str, *, need_labels: bool):
+    """(X, y) from an ``.npz``/``.csv`` in the edgeadapt.datasets formats, X channels-first float32."""
+    from .datasets import load_dataset
+
+    ds = load_dataset(path)
+    return ds.X, (ds.y if need_labels else None)
+
+
+def _format_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+# ---- commands -------------------------------------------------------------------------
+def cmd_export(args: argparse.Namespace) -> int:
+    import torch
+
+    from .export import OptimizerConfig, UpdatePolicy, export_bundle
+
+    factory = _load_factory(args.model)
+    kwargs = json.loads(args.factory_kwargs) if args.factory_kwargs else {}
+    model = factory(**kwargs)
+    if args.weights:
+        state = torch.load(args.weights, map_location="cpu", weights_only=True)
+        model.load_state_dict(state)
+    shape = [int(s) for s in args.input_shape.split(",")]
+    example = torch.randn(args.batch_size, *shape)
+    opt = OptimizerConfig(args.optimizer, lr=args.lr, weight_decay=args.weight_decay if args.optimizer == "adamw" else 0.0)
+    manifest = export_bundle(model, example, args.out, policy=UpdatePolicy.parse(args.policy), loss=args.loss,
+                             optimizer=opt, batchnorm=args.batchnorm)
+    print(f"exported {args.out}: {manifest.trainable_numel:,} of {manifest.total_numel:,} parameter elements train")
+    return 0
+
+
+def bundle_summary(bundle_dir: str) -> dict:
+    """What ``edgeadapt inspect`` reports, as a JSON-able dict (checksums are verified)."""
+    from .bundle import read_manifest
+
+    m = read_manifest(bundle_dir, verify=True)
+    itemsize = 4  # float32 parameters
+    return {
+        "bundle": str(bundle_dir),
+        "checksums": "ok",
+        "input": m.input.to_dict(), "output": m.output.to_dict(), "label": m.label,
+        "loss": m.loss, "optimizer": m.optimizer, "batchnorm": m.batchnorm, "policy": m.policy,
+        "state": m.state, "versions": m.versions,
+        "total_numel": m.total_numel, "trainable_numel": m.trainable_numel,
+        "trainable_bytes": m.trainable_numel * itemsize,
+        "gradient_bytes": m.trainable_numel * itemsize,
+        "optimizer_state_bytes": m.optimizer_state_numel * itemsize,
+        "parameters": [
+            {"name": p.name, "shape": list(p.shape), "mode": p.mode, "trainable_numel": p.trainable_numel}
+            for p in m.parameters
+        ],
+        "files": {name: {"sha256": sha, "bytes": (Path(bundle_dir) / name).stat().st_size}
+                  for name, sha in m.sha256.items()},
+    }
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    s = bundle_summary(args.bundle)
+    if args.json:
+        print(json.dumps(s, indent=2))
+        return 0
+    print(f"bundle      {s['bundle']}  (checksums {s['checksums']})")
+    print(f"input       {s['input']['name']} {s['input']['shape']} {s['input']['dtype']}")
+    print(f"output      {s['output']['name']} {s['output']['shape']} {s['output']['dtype']}")
+    print(f"loss        {s['loss']}   labels: {s['label']}")
+    print(f"optimizer   {s['optimizer']}")
+    print(f"batchnorm   {s['batchnorm']}   state: {s['state']}")
+    pct = 100.0 * s["trainable_numel"] / max(1, s["total_numel"])
+    print(f"trains      {s['trainable_numel']:,} of {s['total_numel']:,} elements ({pct:.2f}%)")
+    print(f"update mem  params {_format_bytes(s['trainable_bytes'])} + grads {_format_bytes(s['gradient_bytes'])}"
+          f" + optimizer state {_format_bytes(s['optimizer_state_bytes'])}")
+    print("parameters:")
+    for p in s["parameters"]:
+        if p["trainable_numel"] or args.all:
+            print(f"  {p['name']:<40} {str(p['shape']):<16} {p['mode']:<9} {p['trainable_numel']:>10,}")
+    if not args.all:
+        n_frozen = sum(1 for p in s["parameters"] if not p["trainable_numel"])
+        print(f"  ... {n_frozen} frozen parameters (--all lists them)")
+    print("files:")
+    for name, f in s["files"].items():
+        print(f"  {name:<32} {_format_bytes(f['bytes']):>10}  sha256 {f['sha256'][:16]}")
+    print("versions:   " + ", ".join(f"{k} {v}" for k, v in s["versions"].items()))
+    return 0
+
+
+def cmd_adapt(args: argparse.Namespace) -> int:
+    from .runtime import NonFiniteLossError, Runner
+
+    runner = Runner.load(args.bundle, device=args.device, threads=args.threads)
+    X, y = _load_data(args.data, need_labels=runner.manifest.label is not None)
+    print(f"adapting on {runner.device}: {len(X)} windows, {args.epochs} epochs, batch {args.batch_size}")
+    try:
+        result = runner.adapt(X, y, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+                              schedule=args.schedule, seed=args.seed, progress=not args.no_progress)
+    except NonFiniteLossError as e:
+        out = runner.save(args.out)
+        print(f"error: {e}\nthe last good state (step {runner.step}) was saved to {out}", file=sys.stderr)
+        return 3
+    out = runner.save(args.out)
+    losses = ", ".join(f"{v:.4f}" for v in result.epoch_losses)
+    print(f"done: {result.steps} steps in {result.time_s:.1f} s; epoch losses {losses}; saved to {out}")
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from .runtime import Runner
+
+    runner = Runner.load(args.bundle, device=args.device, threads=args.threads)
+    X, y = _load_data(args.data, need_labels=runner.manifest.label is not None)
+    r = runner.evaluate(X, y)
+    result = {"loss": r.loss, "accuracy": r.accuracy, "n_windows": r.n_windows}
+    print(json.dumps(result) if args.json else
+          f"loss {r.loss:.4f}" + (f"  accuracy {r.accuracy:.4f}" if r.accuracy is not None else "") + f"  ({r.n_windows} windows)")
+    return 0
+
+
+def cmd_export_inference(args: argparse.Namespace) -> int:
+    from .runtime import Runner
+
+    runner = Runner.load(args.bundle, device="cpu")
+    path = runner.export_inference(args.output)
+    print(f"wrote {path}: a plain ONNX model ({runner.manifest.input.name} -> {runner.manifest.output.name})")
+    return 0
+
+
+def cmd_quickstart(args: argparse.Namespace) -> int:
+    from .quickstart import QuickstartConfig, run_quickstart
+
+    cfg = QuickstartConfig(dataset=args.dataset, model=args.model, policy=args.policy, out_dir=Path(args.out),
+                           k_per_class=args.k_per_class, epochs=args.epochs, seed=args.seed, small=args.small)
+    run_quickstart(cfg, echo=print)
+    return 0
+
+
+# ---- parser ---------------------------------------------------------------------------
+def _add_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="auto: CUDA if it can run the session, else CPU with a warning (default)")
+    p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: ONNX Runtime's choice)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="edgeadapt", description=__doc__.split("\n")[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("export", help="export a torch model to an on-device training bundle",
+                       description="Export a torch model, given as module:factory, to a training bundle.")
+    p.add_argument("model", help="module:factory returning a torch.nn.Module, e.g. mypkg.nets:make_cnn")
+    p.add_argument("--input-shape", required=True, help="per-window input shape without batch, e.g. 8,256")
+    p.add_argument("--out", required=True, help="bundle directory to create (must not exist)")
+    p.add_argument("--weights", help="state_dict file saved with torch.save (loaded with weights_only=True)")
+    p.add_argument("--factory-kwargs", help="JSON object of keyword arguments for the factory")
+    p.add_argument("--policy", default="last-layer",
+                   help="full | last-layer | bias-norm | 'pattern=mode,...' with mode frozen|bias|full|"
+                        "channels:RATIO|channels:I+J (default: last-layer)")
+    p.add_argument("--loss", default="cross_entropy", choices=("cross_entropy", "mse", "bce_with_logits", "entropy"))
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
+    p.add_argument("--lr", type=float, default=1e-3, help="default learning rate stored in the bundle")
+    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW decoupled weight decay")
+    p.add_argument("--batchnorm", default="frozen", choices=("frozen", "batch"),
+                   help="frozen running statistics (default) or batch statistics during adaptation")
+    p.add_argument("--batch-size", type=int, default=2, help="batch size of the example input used for tracing")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("inspect", help="what trains, how many bytes, versions, checksums")
+    p.add_argument("bundle")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--all", action="store_true", help="list frozen parameters too")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("adapt", help="adapt a bundle on new data (torch-free)")
+    p.add_argument("bundle")
+    p.add_argument("--data", required=True, help=".npz (X: windows x time x channels, y, subject) or .csv")
+    p.add_argument("--out", required=True, help="directory for the adapted bundle (new, or the same bundle)")
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the bundle's)")
+    p.add_argument("--schedule", choices=("constant", "cosine"), default="constant")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_device(p)
+    p.set_defaults(func=cmd_adapt)
+
+    p = sub.add_parser("evaluate", help="loss and accuracy of a bundle on labeled data (torch-free)")
+    p.add_argument("bundle")
+    p.add_argument("--data", required=True)
+    p.add_argument("--json", action="store_true")
+    _add_device(p)
+    p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("export-inference", help="write a plain ONNX model any onnxruntime can run")
+    p.add_argument("bundle")
+    p.add_argument("output", help="path of the .onnx file")
+    p.set_defaults(func=cmd_export_inference)
+
+    p = sub.add_parser("quickstart", help="the main job on built-in data: pretrain, export, adapt, report")
+    p.add_argument("--dataset", default="synthetic", help="synthetic | watch | path to a .npz/.csv")
+    p.add_argument("--model", default="cnn", choices=("cnn", "mobilenet", "transformer"))
+    p.add_argument("--policy", default="sparse", help="sparse (default) | last-layer | bias-norm | full | pattern=mode,...")
+    p.add_argument("--k-per-class", type=int, default=5, help="labeled windows per class from the new subject")
+    p.add_argument("--epochs", type=int, default=None, help="adaptation epochs (default: chosen for the data)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/quickstart", help="report folder")
+    p.add_argument("--small", action="store_true", help="a tiny setting for smoke tests")
+    p.set_defaults(func=cmd_quickstart)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``edgeadapt`` console script."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    from .bundle import BundleError
+
+    known = (BundleError, ValueError, FileExistsError, FileNotFoundError, RuntimeError)
+    try:
+        return args.func(args)
+    except known as e:
+        if args.verbose:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

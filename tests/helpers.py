@@ -1,0 +1,112 @@
+"""Test helpers: tiny seeded models for parity tests, data, and a torch-free subprocess."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A meta-path finder that makes `import torch` fail, installed before anything else runs.
+TORCH_BLOCKER = textwrap.dedent(
+    """
+    import importlib.abc, sys
+    class _NoTorch(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "torch" or name.startswith("torch."):
+                raise ImportError("torch is blocked in this process: " + name)
+            return None
+    sys.meta_path.insert(0, _NoTorch())
+    """
+)
+
+
+def run_python(code: str, *, block_torch: bool = False, cwd: Path | None = None, timeout_s: int = 300):
+    """Run ``code`` in a fresh interpreter; returns the CompletedProcess (text mode)."""
+    src = (TORCH_BLOCKER if block_torch else "") + textwrap.dedent(code)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, "-c", src], capture_output=True, text=True, cwd=cwd,
+                          timeout=timeout_s, env=env)
+
+
+def make_cnn(seed: int = 0, n_channels: int = 4, n_classes: int = 3):
+    """Conv-BN-ReLU x2 + head, BN statistics randomised as a trained model would have them."""
+    import torch
+    from torch import nn
+
+    class CNN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1 = nn.Conv1d(n_channels, 8, 5, padding=2)
+            self.bn1 = nn.BatchNorm1d(8)
+            self.conv2 = nn.Conv1d(8, 12, 3, padding=1, stride=2)
+            self.bn2 = nn.BatchNorm1d(12)
+            self.dw = nn.Conv1d(12, 12, 3, padding=1, groups=12)
+            self.pool = nn.MaxPool1d(2)
+            self.head = nn.Linear(12, n_classes)
+
+        def forward(self, x):
+            x = torch.relu(self.bn1(self.conv1(x)))
+            x = torch.nn.functional.relu6(self.bn2(self.conv2(x)))
+            x = self.pool(x + self.dw(x))
+            return self.head(x.mean(-1))
+
+    torch.manual_seed(seed)
+    m = CNN()
+    with torch.no_grad():
+        for bn in (m.bn1, m.bn2):
+            bn.running_mean.uniform_(-0.5, 0.5)
+            bn.running_var.uniform_(0.5, 2.0)
+            bn.weight.uniform_(0.5, 1.5)
+            bn.bias.uniform_(-0.2, 0.2)
+    return m.eval()
+
+
+def make_transformer(seed: int = 0, n_channels: int = 4, n_classes: int = 3, dim: int = 16, heads: int = 2):
+    """One pre-norm encoder layer: patch embedding, softmax attention, GELU MLP, dropout."""
+    import torch
+    from torch import nn
+
+    class Encoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Conv1d(n_channels, dim, 4, stride=4)
+            self.norm1 = nn.LayerNorm(dim)
+            # No bias: a key bias has an exactly-zero gradient (softmax is shift-invariant), and AdamW
+            # turns the float noise of that zero into full-size steps that no two kernels agree on.
+            self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+            self.proj = nn.Linear(dim, dim)
+            self.drop = nn.Dropout(0.1)
+            self.norm2 = nn.LayerNorm(dim)
+            self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+            self.head = nn.Linear(dim, n_classes)
+
+        def forward(self, x):
+            t = self.embed(x).transpose(1, 2)  # (b, tokens, dim)
+            q, k, v = self.qkv(self.norm1(t)).chunk(3, dim=-1)
+            b, n, _ = q.shape
+            q, k, v = (z.reshape(b, n, heads, dim // heads).transpose(1, 2) for z in (q, k, v))
+            att = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(dim // heads), dim=-1)
+            t = t + self.drop(self.proj((att @ v).transpose(1, 2).reshape(b, n, dim)))
+            t = t + self.drop(self.mlp(self.norm2(t)))
+            return self.head(t.mean(1))
+
+    torch.manual_seed(seed)
+    m = Encoder()
+    with torch.no_grad():
+        for ln in (m.norm1, m.norm2):
+            ln.weight.uniform_(0.5, 1.5)
+            ln.bias.uniform_(-0.2, 0.2)
+    return m.eval()
+
+
+def make_data(rng: np.random.Generator, n: int = 24, n_channels: int = 4, length: int = 16, n_classes: int = 3):
+    X = rng.standard_normal((n, n_channels, length)).astype(np.float32)
+    y = rng.integers(0, n_classes, n).astype(np.int64)
+    return X, y
