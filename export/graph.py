@@ -75,9 +75,13 @@ def _modules_using_aten_op(model: nn.Module, example: torch.Tensor, op: str) -> 
 
 
 def module_of_node(node_name: str) -> str:
-    """Module path from an exported node name: ``/blocks.0/conv/Conv`` -> ``blocks.0.conv``."""
-    parts = [p for p in node_name.split("/") if p][:-1]
-    return ".".join(parts) or "<root>"
+    """Module path from an exported node name.
+
+    The exporter names nodes by the chain of full module paths: ``/blocks/blocks.0/blocks.0.conv/Conv``
+    -> ``blocks.0.conv``; a node of the top-level forward is ``/Atan`` -> ``<root>``.
+    """
+    parts = [p for p in node_name.split("/") if p]
+    return parts[-2] if len(parts) >= 2 else "<root>"
 
 
 def split_names(param_name: str) -> dict[str, str]:

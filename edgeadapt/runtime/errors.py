@@ -21,12 +21,17 @@ class NonFiniteLossError(FloatingPointError):
     Attributes:
         step: the global step at which it happened.
         loss: the offending loss value.
+        restored_step: the step whose state the runner now holds (``Runner.adapt`` rolls back to
+            the start of the failing epoch; ``Runner.train_step`` just skips the update).
     """
 
-    def __init__(self, step: int, loss: float):
+    def __init__(self, step: int, loss: float, restored_step: int | None = None):
         self.step, self.loss = step, loss
+        self.restored_step = step if restored_step is None else restored_step
+        kept = ("the update of that step was not applied" if restored_step is None else
+                f"the runner rolled back to step {restored_step}, the start of that epoch, with "
+                "its parameters and optimizer state")
         super().__init__(
-            f"loss became {loss} at step {step}; the update of that step was not applied and the "
-            "runner keeps the last good parameters. Lower the learning rate or check the data "
-            "for extreme values (normalise it as the source model was trained)"
+            f"loss became {loss} at step {step}; {kept}. Lower the learning rate or check the "
+            "data for extreme values (normalise it as the source model was trained)"
         )

@@ -15,9 +15,12 @@ import contextlib
 import logging
 import math
 import os
+import re
 import secrets
 import shutil
+import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -36,6 +39,8 @@ log = logging.getLogger(__name__)
 
 SCHEDULES = ("constant", "cosine")
 _MODEL_ROLES = ("training_model", "eval_model", "optimizer_model", "masks")
+# Checkpoint files the runner writes (and the exporter's "checkpoint"), plus their temp files.
+_CHECKPOINT_FILE = re.compile(r"checkpoint(-\d+-[0-9a-f]+)?|\.checkpoint-\d+-[0-9a-f]+\.tmp")
 
 
 @dataclass(frozen=True)
@@ -60,10 +65,14 @@ class EvalResult:
 class Runner:
     """On-device adaptation of one bundle. Create it with :meth:`Runner.load`."""
 
-    def __init__(self, bundle_dir: Path, manifest: Manifest, backend: TrainingBackend):
+    def __init__(self, bundle_dir: Path, manifest: Manifest,
+                 open_backend: Callable[[Path | None], TrainingBackend]):
+        """Prefer :meth:`load`. ``open_backend(checkpoint_path)`` opens a session on the
+        bundle's graphs with the given checkpoint (``None``: the bundle's own)."""
         self.bundle_dir = Path(bundle_dir)
         self.manifest = manifest
-        self._backend = backend
+        self._open_backend = open_backend
+        self._backend = open_backend(None)
         self.step = int(manifest.state.get("step", 0))
         self.epoch = int(manifest.state.get("epoch", 0))
 
@@ -82,9 +91,18 @@ class Runner:
         """
         bundle_dir = Path(bundle_dir)
         manifest = read_manifest(bundle_dir, verify=True)
-        backend = OrtTrainingBackend(bundle_dir, manifest, device=device, threads=threads)
-        log.info("loaded %s on %s: %d trainable elements", bundle_dir, backend.device, manifest.trainable_numel)
-        return cls(bundle_dir, manifest, backend)
+        chosen: list[str] = []
+
+        def open_backend(checkpoint: Path | None) -> TrainingBackend:
+            # Re-opening (rollback) reuses the device picked the first time: no second fallback warning.
+            backend = OrtTrainingBackend(bundle_dir, manifest, device=chosen[0] if chosen else device,
+                                         threads=threads, checkpoint_path=checkpoint)
+            chosen[:] = [backend.device]
+            return backend
+
+        runner = cls(bundle_dir, manifest, open_backend)
+        log.info("loaded %s on %s: %d trainable elements", bundle_dir, runner.device, manifest.trainable_numel)
+        return runner
 
     @property
     def device(self) -> str:
@@ -119,7 +137,8 @@ class Runner:
         """Adapt on ``X`` (and ``y`` unless the loss is label-free) for ``epochs`` passes.
 
         Data are validated against the manifest before the first step. A non-finite loss stops
-        with :class:`NonFiniteLossError`, leaving the parameters of the last good step.
+        with :class:`NonFiniteLossError` after rolling parameters and optimizer state back to the
+        start of the failing epoch (a checkpoint kept in a temporary file for that purpose).
 
         Args:
             X: float32 windows, shape as exported (batch axis first).
@@ -144,14 +163,23 @@ class Runner:
         losses = []
         start = time.perf_counter()
         done = 0
-        with tqdm(total=total, desc="adapt", unit="step", disable=not progress, leave=False) as bar:
+        with (tqdm(total=total, desc="adapt", unit="step", disable=not progress, leave=False) as bar,
+              tempfile.TemporaryDirectory(prefix="edgeadapt-rollback-") as scratch):
+            snapshot = Path(scratch) / "epoch_start.ckpt"
             for e in range(epochs):
+                self._backend.save_checkpoint(snapshot)
+                start_step, start_epoch = self.step, self.epoch
                 order = np.random.default_rng(seed + self.epoch).permutation(n) if shuffle else np.arange(n)
                 epoch_loss = 0.0
                 for b in range(per_epoch):
                     idx = order[b * batch_size:(b + 1) * batch_size]
                     step_lr = peak_lr if schedule == "constant" else 0.5 * peak_lr * (1 + math.cos(math.pi * done / total))
-                    loss = self.train_step(X[idx], None if y is None else y[idx], step_lr)
+                    try:
+                        loss = self.train_step(X[idx], None if y is None else y[idx], step_lr)
+                    except NonFiniteLossError as err:
+                        self._backend = self._open_backend(snapshot)
+                        self.step, self.epoch = start_step, start_epoch
+                        raise NonFiniteLossError(err.step, err.loss, restored_step=start_step) from None
                     epoch_loss += loss * len(idx)
                     done += 1
                     bar.update(1)
@@ -251,14 +279,12 @@ class Runner:
                 raise FileExistsError(
                     f"{out} exists and is not a bundle of the same model; choose a new directory or remove it"
                 )
-            previous = read_manifest(out, verify=False).files["checkpoint"]
             name, sha = self._write_checkpoint(out)
             write_manifest(out, self._state_manifest(name, sha))
-            if previous != name:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(out / previous)
-            for stray in out.glob(".checkpoint-*.tmp"):
-                stray.unlink(missing_ok=True)
+            # Only now is the old checkpoint unreferenced; also sweep orphans of interrupted saves.
+            for f in out.iterdir():
+                if _CHECKPOINT_FILE.fullmatch(f.name) and f.name != name:
+                    f.unlink(missing_ok=True)
         else:
             with staged_directory(out) as stage:
                 for role in _MODEL_ROLES:

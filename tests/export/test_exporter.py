@@ -1,0 +1,135 @@
+"""Exporter: bundle contents, manifest, masks, atomic writes, unsupported ops."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from helpers import make_cnn
+from torch import nn
+
+from edgeadapt.bundle import read_manifest
+from edgeadapt.export import Rule, UnsupportedOpError, UpdatePolicy, export_bundle
+
+EXAMPLE = torch.randn(2, 4, 16)
+
+
+def test_bundle_layout_manifest_and_masks(cnn_bundle):
+    names = sorted(p.name for p in cnn_bundle.iterdir())
+    assert names == ["checkpoint", "eval_model.onnx", "manifest.json", "masks.npz",
+                     "optimizer_model.onnx", "training_model.onnx"]
+    manifest = read_manifest(cnn_bundle)  # schema + checksums
+    assert manifest.input.shape == (None, 4, 16) and manifest.label["n_classes"] == 3
+    assert set(manifest.sha256) == {n for n in names if n != "manifest.json"}
+    assert {"torch", "onnx", "onnxruntime"} <= set(manifest.versions)
+    for name in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx"):
+        assert onnx.load(cnn_bundle / name).ir_version <= 10  # ORT 1.19.2 loads IR <= 10
+    masks = np.load(cnn_bundle / "masks.npz", allow_pickle=False)
+    assert masks["conv2.weight"].sum() == 6 and masks["conv2.weight"].shape == (12,)
+    assert masks["head.weight"].all() and not masks["conv1.weight"].any()
+    entries = {p.name: p for p in manifest.parameters}
+    assert entries["conv2.weight"].trainable_numel == 6 * 8 * 3
+    assert entries["conv2.weight"].onnx_names["trained"] == "conv2.weight.trained"
+    # gradient buffers (and so optimizer state) exist for the trained slices only
+    train_graph = onnx.load(cnn_bundle / "training_model.onnx").graph
+    accumulated = {o.name.split("_grad.")[0] for o in train_graph.output if "_grad.accumulation" in o.name}
+    assert accumulated == {"conv2.weight.trained", "conv2.bias.trained", "head.weight", "head.bias"}
+
+
+def test_channel_ratio_picks_largest_weights():
+    model = make_cnn()
+    with torch.no_grad():
+        model.conv2.weight[[2, 9]] *= 100.0
+    from edgeadapt.export.prepare import prepare_model
+
+    prepared = prepare_model(model, UpdatePolicy(rules=(Rule("conv2", "channels", ratio=2 / 12),)))
+    assert prepared.trained_channels["conv2.weight"] == (2, 9)
+    assert prepared.trained_channels["conv2.bias"] == (2, 9)
+
+
+def test_export_leaves_the_caller_model_untouched(tmp_path):
+    model = make_cnn().train()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    export_bundle(model, EXAMPLE, tmp_path / "b", policy=UpdatePolicy.full())
+    assert model.training
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert all(isinstance(m, nn.BatchNorm1d) for m in (model.bn1, model.bn2))
+
+
+def test_existing_out_dir_is_refused(tmp_path):
+    (tmp_path / "b").mkdir()
+    with pytest.raises(FileExistsError, match="already exists"):
+        export_bundle(make_cnn(), EXAMPLE, tmp_path / "b")
+
+
+class _Fft(nn.Module):
+    def forward(self, x):
+        return torch.fft.rfft(x).abs()
+
+
+class _Atan(nn.Module):
+    def forward(self, x):
+        return torch.atan(x)
+
+
+class _WithOp(nn.Module):
+    def __init__(self, op: nn.Module):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv1d(4, 8, 3, padding=1), op)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.features(x).mean(-1))
+
+
+@pytest.mark.parametrize(
+    "op,name,stage",
+    [(_Fft(), "aten::fft_rfft", "has no conversion"), (_Atan(), "Atan", "has no gradient")],
+    ids=["export-stage", "gradient-stage"],
+)
+def test_unsupported_op_names_op_and_module_and_leaves_nothing(tmp_path, op, name, stage):
+    model = _WithOp(op).eval()
+    with pytest.raises(UnsupportedOpError, match=stage) as info:
+        export_bundle(model, EXAMPLE, tmp_path / "b", policy=UpdatePolicy.full())
+    assert info.value.op == name
+    assert info.value.modules == ["features.1"]
+    assert not (tmp_path / "b").exists()
+    assert list(tmp_path.iterdir()) == []  # no staging directory left behind
+
+
+def test_frozen_prefix_needs_no_gradient_through_unsupported_op(tmp_path):
+    """Everything before the op frozen: no gradient flows through it, so export succeeds."""
+    model = _WithOp(_Atan()).eval()
+    export_bundle(model, EXAMPLE, tmp_path / "b", policy=UpdatePolicy.last_layer())
+    assert read_manifest(tmp_path / "b").trainable_numel == 8 * 3 + 3
+
+
+def test_policy_that_trains_nothing_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="trains no parameter.*module paths"):
+        export_bundle(make_cnn(), EXAMPLE, tmp_path / "b", policy=UpdatePolicy.last_layer("classifier"))
+
+
+def test_multi_output_model_is_refused(tmp_path):
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(16, 3)
+
+        def forward(self, x):
+            return self.head(x), x
+
+    with pytest.raises(ValueError, match="single tensor"):
+        export_bundle(Two(), EXAMPLE, tmp_path / "b")
+
+
+def test_fresh_batchnorm_parameters_keep_their_own_names(tmp_path):
+    """A fresh BN has weight == running_var == ones; the exporter must not merge them."""
+    model = nn.Sequential(nn.Conv1d(4, 8, 3), nn.BatchNorm1d(8), nn.ReLU(), nn.Conv1d(8, 8, 3),
+                          nn.BatchNorm1d(8), nn.Flatten(), nn.Linear(8 * 12, 3)).eval()
+    export_bundle(model, EXAMPLE, tmp_path / "b", policy=UpdatePolicy.bias_and_norm())
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    trained = {p["name"] for p in manifest["parameters"] if p["trainable_numel"]}
+    assert {"1.weight", "1.bias", "4.weight", "4.bias", "0.bias", "3.bias", "6.bias"} == trained
