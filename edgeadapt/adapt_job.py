@@ -1,0 +1,122 @@
+"""A torch-free adaptation job in a process of its own: JSON spec in, JSON report out.
+
+``python -m edgeadapt.adapt_job SPEC.json REPORT.json`` forbids ``import torch`` before anything
+else is imported, then loads the bundle with the runner, evaluates, adapts, evaluates again,
+saves the adapted bundle and reports accuracy, peak memory and time. The quickstart and the
+benchmarks run every on-device step this way, so their figures come from a process that
+demonstrably holds no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["AdaptJobSpec", "run_job", "run_job_in_subprocess", "main"]
+
+
+@dataclass(frozen=True)
+class AdaptJobSpec:
+    """What one job does. Data files are ``WindowDataset.save_npz`` files (channels-first X).
+
+    Attributes:
+        bundle: the exported bundle to adapt.
+        adapt_data: windows to adapt on (labels ignored for a label-free loss).
+        eval_data: held-out windows of the same subject to evaluate before and after.
+        out_dir: where the adapted bundle goes (must not exist).
+        epochs, batch_size, lr, schedule, seed: passed to ``Runner.adapt``; ``lr=None`` uses
+            the bundle's.
+        device, threads: passed to ``Runner.load``.
+    """
+
+    bundle: str
+    adapt_data: str
+    eval_data: str
+    out_dir: str
+    epochs: int = 10
+    batch_size: int = 16
+    lr: float | None = None
+    schedule: str = "constant"
+    seed: int = 0
+    device: str = "auto"
+    threads: int | None = None
+
+
+def run_job(spec: AdaptJobSpec) -> dict[str, Any]:
+    """Run the job in this process and return the report (see module docstring)."""
+    from .datasets import WindowDataset
+    from .memory import measure_peak, rss_bytes
+    from .runtime import Runner
+
+    start = time.perf_counter()
+    runner = Runner.load(spec.bundle, device=spec.device, threads=spec.threads)
+    adapt = WindowDataset.load_npz(spec.adapt_data)
+    held_out = WindowDataset.load_npz(spec.eval_data)
+    labeled = runner.manifest.label is not None
+    before = runner.evaluate(held_out.X, held_out.y) if labeled else None
+    loaded_rss = rss_bytes()
+    with measure_peak() as peak:
+        result = runner.adapt(adapt.X, adapt.y if labeled else None, epochs=spec.epochs,
+                              batch_size=spec.batch_size, lr=spec.lr, schedule=spec.schedule,
+                              seed=spec.seed, progress=False)
+    after = runner.evaluate(held_out.X, held_out.y) if labeled else None
+    if not labeled:  # label-free bundle: accuracy from the logits
+        logits = runner.predict(held_out.X)
+        after_acc = float((logits.argmax(1) == held_out.y).mean())
+    runner.save(spec.out_dir)
+    return {
+        "device": runner.device,
+        "torch_imported": any(m == "torch" or m.startswith("torch.") for m in sys.modules),
+        "accuracy_after": after.accuracy if labeled else after_acc,
+        "accuracy_before": before.accuracy if labeled else None,
+        "loss_after": after.loss if labeled else None,
+        "epoch_losses": list(result.epoch_losses),
+        "steps": result.steps,
+        "adapt_time_s": result.time_s,
+        "job_time_s": time.perf_counter() - start,
+        "loaded_rss_bytes": loaded_rss,
+        "peak_step_delta_bytes": peak.delta_bytes,
+        "peak_reset_ok": peak.reset_ok,
+        "trainable_numel": runner.manifest.trainable_numel,
+        "n_adapt_windows": int(len(adapt.y)),
+        "n_eval_windows": int(len(held_out.y)),
+    }
+
+
+def run_job_in_subprocess(spec: AdaptJobSpec, workdir: str | os.PathLike, timeout_s: float = 900) -> dict[str, Any]:
+    """Run the job in a fresh torch-free interpreter; raises RuntimeError with its stderr on failure."""
+    workdir = Path(workdir)
+    spec_path, report_path = workdir / "adapt_job_spec.json", workdir / "adapt_job_report.json"
+    spec_path.write_text(json.dumps(asdict(spec), indent=2))
+    proc = subprocess.run([sys.executable, "-m", "edgeadapt.adapt_job", str(spec_path), str(report_path)],
+                          capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the adaptation job failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(report_path.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: forbid torch, run the job from SPEC.json, write REPORT.json."""
+    from .isolation import forbid_torch
+
+    forbid_torch()
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print("usage: python -m edgeadapt.adapt_job SPEC.json REPORT.json", file=sys.stderr)
+        return 2
+    spec = AdaptJobSpec(**json.loads(Path(args[0]).read_text()))
+    report = run_job(spec)
+    tmp = Path(args[1]).with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, indent=2))
+    os.replace(tmp, args[1])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
