@@ -1,0 +1,116 @@
+"""Subject-wise splits: leave-one-subject-out and few-shot adaptation on the held-out subject.
+
+All splits return window indices (sorted ``int64``) into the dataset they were given.
+
+Overlapping windows share samples, so "disjoint indices" alone would let an evaluation window
+repeat half of an adaptation window. When the dataset knows where windows came from
+(``recording`` and ``start_sample``), :func:`few_shot_split` drops from evaluation every window
+that shares a sample with an adaptation window.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import numpy as np
+
+from .window_dataset import WindowDataset
+
+__all__ = ["SubjectSplit", "FewShotSplit", "loso_splits", "few_shot_split"]
+
+logger = logging.getLogger(__name__)
+
+
+class SubjectSplit(NamedTuple):
+    """One leave-one-subject-out fold: train on ``source_idx``, test on ``target_idx``."""
+
+    target_subject: int
+    source_idx: np.ndarray
+    target_idx: np.ndarray
+
+
+class FewShotSplit(NamedTuple):
+    """Windows of one subject: ``adapt_idx`` (k labelled per class) and disjoint ``eval_idx``."""
+
+    adapt_idx: np.ndarray
+    eval_idx: np.ndarray
+
+
+def loso_splits(dataset: WindowDataset) -> Iterator[SubjectSplit]:
+    """Leave-one-subject-out folds, one per subject in ascending id order.
+
+    Raises:
+        ValueError: the dataset has fewer than two subjects (checked at the call, not lazily).
+    """
+    subjects = dataset.subjects
+    if subjects.size < 2:
+        raise ValueError(f"leave-one-subject-out needs at least 2 subjects, dataset has {subjects.tolist()}")
+
+    def folds() -> Iterator[SubjectSplit]:
+        for s in subjects:
+            is_target = dataset.subject == s
+            yield SubjectSplit(int(s), np.flatnonzero(~is_target), np.flatnonzero(is_target))
+
+    return folds()
+
+
+def few_shot_split(dataset: WindowDataset, subject: int, k_per_class: int, seed: int) -> FewShotSplit:
+    """Pick ``k_per_class`` labelled windows of every class of ``subject`` for adaptation.
+
+    The remaining windows of the subject are for evaluation, minus any that share samples with
+    an adaptation window (when ``dataset.recording`` is known).
+
+    Args:
+        dataset: the data, typically the whole dataset of a LOSO fold.
+        subject: the target subject id.
+        k_per_class: adaptation windows per class, >= 1.
+        seed: seeds the choice (``numpy.random.default_rng``).
+
+    Returns:
+        ``FewShotSplit(adapt_idx, eval_idx)``: sorted dataset indices, disjoint, both of ``subject``.
+
+    Raises:
+        ValueError: ``subject`` is not in the dataset, or has fewer than ``k_per_class + 1``
+            windows of some class (the message lists the counts), or nothing is left to evaluate.
+    """
+    if int(k_per_class) != k_per_class or k_per_class < 1:
+        raise ValueError(f"k_per_class must be a positive integer, got {k_per_class}")
+    own = np.flatnonzero(dataset.subject == subject)
+    if own.size == 0:
+        raise ValueError(f"subject {subject} is not in the dataset (subjects: {dataset.subjects.tolist()})")
+    counts = np.bincount(dataset.y[own], minlength=dataset.n_classes)
+    short = np.flatnonzero(counts < k_per_class + 1)
+    if short.size:
+        listed = ", ".join(f"{dataset.class_names[c]!r}: {counts[c]}" for c in short)
+        hint = f"; k_per_class <= {counts.min() - 1} would fit" if counts.min() >= 2 else ""
+        raise ValueError(
+            f"subject {subject} has too few windows for k_per_class={k_per_class}: it needs at least "
+            f"{k_per_class + 1} windows of every class ({k_per_class} to adapt, at least 1 to evaluate) "
+            f"but has {listed}{hint}"
+        )
+    rng = np.random.default_rng(seed)
+    adapt = np.sort(np.concatenate([
+        rng.choice(own[dataset.y[own] == c], size=k_per_class, replace=False) for c in range(dataset.n_classes)
+    ]))
+    rest = np.setdiff1d(own, adapt)
+    if dataset.recording is not None:
+        # Two windows of one recording share samples iff their starts differ by less than a window.
+        same_recording = dataset.recording[rest][:, None] == dataset.recording[adapt][None, :]
+        distance = np.abs(dataset.start_sample[rest][:, None] - dataset.start_sample[adapt][None, :])
+        overlapping = (same_recording & (distance < dataset.n_time_steps)).any(axis=1)
+        if overlapping.any():
+            logger.info("subject %s: %d evaluation windows dropped for sharing samples with adaptation windows",
+                        subject, int(overlapping.sum()))
+        rest = rest[~overlapping]
+    if rest.size == 0:
+        raise ValueError(
+            f"subject {subject}: no evaluation window is left after taking {k_per_class} per class for "
+            "adaptation (and dropping windows that overlap them); lower k_per_class"
+        )
+    missing = np.flatnonzero(np.bincount(dataset.y[rest], minlength=dataset.n_classes) == 0)
+    if missing.size:
+        logger.warning("subject %s: classes %s have no evaluation window left", subject,
+                       [dataset.class_names[c] for c in missing])
+    return FewShotSplit(adapt, rest)

@@ -1,0 +1,87 @@
+"""Leave-one-subject-out folds and few-shot adaptation splits."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from edgeadapt.datasets import SyntheticConfig, few_shot_split, loso_splits, make_synthetic, windows_from_continuous
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    return make_synthetic(SyntheticConfig(n_subjects=4, windows_per_subject=60, n_time_steps=32, seed=7))
+
+
+def test_loso_covers_every_subject_once(dataset):
+    folds = list(loso_splits(dataset))
+    assert [f.target_subject for f in folds] == [0, 1, 2, 3]
+    for fold in folds:
+        assert np.intersect1d(fold.source_idx, fold.target_idx).size == 0
+        np.testing.assert_array_equal(np.union1d(fold.source_idx, fold.target_idx), np.arange(len(dataset)))
+        assert np.all(dataset.subject[fold.target_idx] == fold.target_subject)
+        assert not np.any(dataset.subject[fold.source_idx] == fold.target_subject)
+
+
+def test_loso_needs_two_subjects_and_says_so_at_the_call(dataset):
+    one = dataset.subset(dataset.subject == 2)
+    with pytest.raises(ValueError, match=r"at least 2 subjects, dataset has \[2\]"):
+        loso_splits(one)
+
+
+def test_few_shot_counts_disjointness_and_determinism(dataset):
+    split = few_shot_split(dataset, subject=1, k_per_class=3, seed=0)
+    assert np.bincount(dataset.y[split.adapt_idx], minlength=6).tolist() == [3] * 6
+    assert np.intersect1d(split.adapt_idx, split.eval_idx).size == 0
+    own = np.flatnonzero(dataset.subject == 1)
+    np.testing.assert_array_equal(np.union1d(split.adapt_idx, split.eval_idx), own)  # no overlap info: all kept
+    assert np.all(np.diff(split.adapt_idx) > 0) and np.all(np.diff(split.eval_idx) > 0)
+    again = few_shot_split(dataset, subject=1, k_per_class=3, seed=0)
+    np.testing.assert_array_equal(again.adapt_idx, split.adapt_idx)
+    other = few_shot_split(dataset, subject=1, k_per_class=3, seed=1)
+    assert not np.array_equal(other.adapt_idx, split.adapt_idx)
+
+
+def test_few_shot_drops_evaluation_windows_that_share_samples():
+    # One subject, 2 classes, two recordings of 400 samples; windows of 20 with 75 % overlap (hop 5).
+    n = 800
+    signal = np.arange(n, dtype=np.float64)[:, None]
+    labels = np.repeat([0, 1, 0, 1], n // 4)
+    session = np.repeat([0, 1], n // 2)  # session change = new recording
+    ds = windows_from_continuous(signal, labels, np.zeros(n, np.int64), session, sample_rate_hz=1.0,
+                                 window_length_samples=20, overlap_fraction=0.75)
+    split = few_shot_split(ds, subject=0, k_per_class=4, seed=3)
+    adapt_samples = {(ds.recording[i], ds.start_sample[i]) for i in split.adapt_idx}
+    for i in split.eval_idx:
+        for r, t in adapt_samples:
+            assert ds.recording[i] != r or abs(ds.start_sample[i] - t) >= 20
+    # X holds the sample index, so sharing samples would also show as equal values.
+    adapt_values = set(ds.X[split.adapt_idx].ravel().tolist())
+    assert adapt_values.isdisjoint(ds.X[split.eval_idx].ravel().tolist())
+    assert len(split.eval_idx) < (ds.subject == 0).sum() - len(split.adapt_idx)  # something was dropped
+
+
+def test_too_few_windows_says_how_many_and_what_k_needs(dataset):
+    y = dataset.y.copy()
+    own = np.flatnonzero(dataset.subject == 2)
+    y[own] = np.where(y[own] == 4, 0, y[own])  # subject 2 loses class 4 ...
+    y[own[:2]] = 4  # ... except for two windows
+    scarce = dataclasses.replace(dataset, y=y)
+    with pytest.raises(
+        ValueError,
+        match=r"subject 2 has too few windows for k_per_class=5: it needs at least 6 windows of every class "
+        r"\(5 to adapt, at least 1 to evaluate\) but has 'gesture4': 2; k_per_class <= 1 would fit",
+    ):
+        few_shot_split(scarce, subject=2, k_per_class=5, seed=0)
+    y[own[:2]] = 0
+    with pytest.raises(ValueError, match=r"but has 'gesture4': 0$"):
+        few_shot_split(dataclasses.replace(dataset, y=y), subject=2, k_per_class=1, seed=0)
+
+
+def test_few_shot_argument_errors(dataset):
+    with pytest.raises(ValueError, match=r"subject 9 is not in the dataset \(subjects: \[0, 1, 2, 3\]\)"):
+        few_shot_split(dataset, subject=9, k_per_class=1, seed=0)
+    with pytest.raises(ValueError, match="k_per_class must be a positive integer, got 0"):
+        few_shot_split(dataset, subject=0, k_per_class=0, seed=0)
