@@ -34,11 +34,12 @@ def _load_factory(spec: str):
         raise ValueError(f"module {mod_name!r} has no attribute {attr!r}") from None
 
 
-def _load_data(path: str, *, need_labels: bool):
+def _load_data(args: argparse.Namespace, *, need_labels: bool):
     """(X, y) from an ``.npz``/``.csv`` in the edgeadapt.datasets formats, X channels-first float32."""
     from .datasets import load_dataset
 
-    ds = load_dataset(path)
+    kwargs = {"sample_rate_hz": args.sample_rate_hz} if args.sample_rate_hz else {}
+    ds = load_dataset(args.data, **kwargs)
     return ds.X, (ds.y if need_labels else None)
 
 
@@ -129,7 +130,7 @@ def cmd_adapt(args: argparse.Namespace) -> int:
     from .runtime import NonFiniteLossError, Runner
 
     runner = Runner.load(args.bundle, device=args.device, threads=args.threads)
-    X, y = _load_data(args.data, need_labels=runner.manifest.label is not None)
+    X, y = _load_data(args, need_labels=runner.manifest.label is not None)
     print(f"adapting on {runner.device}: {len(X)} windows, {args.epochs} epochs, batch {args.batch_size}")
     try:
         result = runner.adapt(X, y, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
@@ -148,7 +149,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from .runtime import Runner
 
     runner = Runner.load(args.bundle, device=args.device, threads=args.threads)
-    X, y = _load_data(args.data, need_labels=runner.manifest.label is not None)
+    X, y = _load_data(args, need_labels=runner.manifest.label is not None)
     r = runner.evaluate(X, y)
     result = {"loss": r.loss, "accuracy": r.accuracy, "n_windows": r.n_windows}
     print(json.dumps(result) if args.json else
@@ -175,6 +176,14 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
 
 
 # ---- parser ---------------------------------------------------------------------------
+def _add_data(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", required=True,
+                   help=".npz (X: windows x time x channels, y, subject, sample_rate_hz) or .csv; "
+                        "see edgeadapt.datasets")
+    p.add_argument("--sample-rate-hz", type=float, default=None,
+                   help="sampling rate, for files that do not store it")
+
+
 def _add_device(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                    help="auto: CUDA if it can run the session, else CPU with a warning (default)")
@@ -213,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("adapt", help="adapt a bundle on new data (torch-free)")
     p.add_argument("bundle")
-    p.add_argument("--data", required=True, help=".npz (X: windows x time x channels, y, subject) or .csv")
+    _add_data(p)
     p.add_argument("--out", required=True, help="directory for the adapted bundle (new, or the same bundle)")
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=32)
@@ -226,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("evaluate", help="loss and accuracy of a bundle on labeled data (torch-free)")
     p.add_argument("bundle")
-    p.add_argument("--data", required=True)
+    _add_data(p)
     p.add_argument("--json", action="store_true")
     _add_device(p)
     p.set_defaults(func=cmd_evaluate)

@@ -13,18 +13,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 
-# A meta-path finder that makes `import torch` fail, installed before anything else runs.
-TORCH_BLOCKER = textwrap.dedent(
-    """
-    import importlib.abc, sys
-    class _NoTorch(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name == "torch" or name.startswith("torch."):
-                raise ImportError("torch is blocked in this process: " + name)
-            return None
-    sys.meta_path.insert(0, _NoTorch())
-    """
-)
+TORCH_BLOCKER = "from edgeadapt.isolation import forbid_torch\nforbid_torch()\n"
 
 
 def run_python(code: str, *, block_torch: bool = False, cwd: Path | None = None, timeout_s: int = 300):

@@ -1,0 +1,103 @@
+"""The command line: help everywhere, and export -> inspect -> adapt -> evaluate ->
+export-inference end to end, the device-side commands in a process where torch cannot load."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from helpers import run_python
+
+from edgeadapt.cli import build_parser
+from edgeadapt.datasets import WindowDataset
+
+SUBCOMMANDS = ("export", "inspect", "adapt", "evaluate", "export-inference", "quickstart")
+
+
+def cli(*args: str, block_torch: bool = False):
+    return run_python(f"import sys\nfrom edgeadapt.cli import main\nsys.exit(main({list(args)!r}))",
+                      block_torch=block_torch)
+
+
+@pytest.mark.parametrize("command", ("", *SUBCOMMANDS))
+def test_help(command):
+    args = [command, "--help"] if command else ["--help"]
+    proc = subprocess.run([sys.executable, "-m", "edgeadapt", *args], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: edgeadapt" in proc.stdout
+
+
+def test_parser_knows_every_subcommand():
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    assert set(sub.choices) == set(SUBCOMMANDS)
+
+
+def _user_npz(path, rng, n=24):
+    """A user's file in the documented layout: X as (windows, time steps, channels)."""
+    X = rng.standard_normal((n, 64, 4)).astype(np.float32)
+    y = np.arange(n) % 3
+    np.savez(path, X=X, y=y, subject=np.zeros(n, dtype=np.int64), sample_rate_hz=50.0)
+    return X.transpose(0, 2, 1), y
+
+
+def test_end_to_end(tmp_path, rng):
+    factory_kwargs = json.dumps({"name": "cnn", "n_channels": 4, "n_classes": 3, "n_time_steps": 64})
+    from edgeadapt.export.models import build_model
+
+    weights = tmp_path / "weights.pt"
+    torch.save(build_model("cnn", 4, 3, 64).state_dict(), weights)
+    bundle = tmp_path / "bundle"
+    proc = cli("export", "edgeadapt.export.models:build_model", "--factory-kwargs", factory_kwargs,
+               "--input-shape", "4,64", "--weights", str(weights), "--out", str(bundle),
+               "--policy", "head=full,blocks.3.conv=channels:0.25")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "parameter elements train" in proc.stdout
+
+    proc = cli("inspect", str(bundle), "--json", block_torch=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout)
+    assert summary["checksums"] == "ok"
+    trained = {p["name"] for p in summary["parameters"] if p["trainable_numel"]}
+    assert trained == {"head.weight", "head.bias", "blocks.3.conv.weight"}
+    assert summary["optimizer_state_bytes"] == 2 * summary["trainable_bytes"]
+    human = cli("inspect", str(bundle), block_torch=True)
+    assert "trains" in human.stdout and "sha256" in human.stdout
+
+    X, y = _user_npz(tmp_path / "new_subject.npz", rng)
+    adapted = tmp_path / "adapted"
+    proc = cli("adapt", str(bundle), "--data", str(tmp_path / "new_subject.npz"), "--epochs", "2",
+               "--batch-size", "8", "--device", "auto", "--out", str(adapted), "--no-progress", block_torch=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "done: 6 steps" in proc.stdout
+
+    proc = cli("evaluate", str(adapted), "--data", str(tmp_path / "new_subject.npz"), "--json", block_torch=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["n_windows"] == 24 and 0.0 <= result["accuracy"] <= 1.0
+
+    proc = cli("export-inference", str(adapted), str(tmp_path / "model.onnx"), block_torch=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logits = ort.InferenceSession(str(tmp_path / "model.onnx")).run(None, {"input": X})[0]
+    assert float((logits.argmax(1) == y).mean()) == pytest.approx(result["accuracy"])
+
+
+def test_errors_are_one_clear_line(tmp_path, cnn_bundle, rng):
+    proc = cli("inspect", str(tmp_path))
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: ") and "manifest.json is missing" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+    ds = WindowDataset(rng.standard_normal((6, 5, 16)).astype(np.float32), np.zeros(6, dtype=np.int64),
+                       np.zeros(6, dtype=np.int64), ("a",), tuple("abcde"), 100.0)
+    ds.save_npz(tmp_path / "five_channels.npz")
+    proc = cli("adapt", str(cnn_bundle), "--data", str(tmp_path / "five_channels.npz"), "--out", str(tmp_path / "o"))
+    assert proc.returncode == 2 and "the bundle expects ['batch', 4, 16]" in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+    proc = cli("export", "no_such_module_xyz:f", "--input-shape", "4,16", "--out", str(tmp_path / "b"))
+    assert proc.returncode != 0 and "no_such_module_xyz" in proc.stderr
