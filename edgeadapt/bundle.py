@@ -67,7 +67,7 @@ MANIFEST_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": [
         "schema_version", "format", "backend", "files", "sha256", "input", "output", "label",
-        "loss", "optimizer", "batchnorm", "policy", "parameters", "versions", "state",
+        "loss", "optimizer", "batchnorm", "policy", "parameters", "versions", "session", "state",
     ],
     "properties": {
         "schema_version": {"const": SCHEMA_VERSION},
@@ -117,6 +117,11 @@ MANIFEST_SCHEMA: dict[str, Any] = {
             },
         },
         "versions": {"type": "object", "additionalProperties": {"type": "string"}},
+        "session": {
+            "type": "object",
+            "required": ["enable_mem_pattern"],
+            "properties": {"enable_mem_pattern": {"type": "boolean"}},
+        },
         "state": {
             "type": "object",
             "required": ["epoch", "step"],
@@ -156,7 +161,8 @@ class ParameterEntry:
         mode: ``frozen``, ``bias``, ``full`` or ``channels``.
         onnx_names: the graph initializers holding it: ``{"value": n}`` for an unsplit tensor, or
             ``{"trained": n1, "frozen": n2, "index": n3}`` for a channel-split one, where the
-            full tensor is ``concat([trained, frozen])[index]`` along axis 0.
+            full tensor is ``concat([trained, frozen])[index]`` along axis 0; empty for a
+            parameter the forward pass never uses (it is not in the graph).
         trainable_numel: elements that the optimizer may change.
     """
 
@@ -200,6 +206,7 @@ class Manifest:
     parameters: tuple[ParameterEntry, ...]
     versions: dict[str, str]
     state: dict[str, Any] = field(default_factory=lambda: {"epoch": 0, "step": 0})
+    session: dict[str, Any] = field(default_factory=lambda: {"enable_mem_pattern": True})
     backend: str = "ort-training"
 
     def to_dict(self) -> dict[str, Any]:
@@ -218,6 +225,7 @@ class Manifest:
             "policy": self.policy,
             "parameters": [p.to_dict() for p in self.parameters],
             "versions": dict(self.versions),
+            "session": dict(self.session),
             "state": dict(self.state),
         }
 
@@ -241,6 +249,7 @@ class Manifest:
             parameters=tuple(ParameterEntry.from_dict(p) for p in d["parameters"]),
             versions=d["versions"],
             state=d["state"],
+            session=d["session"],
             backend=d["backend"],
         )
 

@@ -9,6 +9,7 @@ import os
 import re
 import sys
 import tempfile
+from dataclasses import replace
 from importlib import metadata
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from .graph import MAX_IR_VERSION, UnsupportedOpError, module_of_node, to_onnx
 from .objectives import LOSSES, OptimizerConfig, loss_block, optimizer_block, use_torch_adamw
 from .policy import UpdatePolicy
 from .prepare import channel_masks, prepare_model
+from .selfcheck import choose_session
 
 __all__ = ["export_bundle", "REWRITE_TOLERANCE"]
 
@@ -101,6 +103,23 @@ def _generate(model_proto: onnx.ModelProto, entries, loss: str, opt: OptimizerCo
         raise UnsupportedOpError(op, modules, "ONNX Runtime has no gradient for it") from None
 
 
+def _draft_manifest(stage: Path, entries, loss: str, opt: OptimizerConfig, batchnorm: str, label,
+                    example_input: torch.Tensor, output: torch.Tensor, policy: UpdatePolicy) -> Manifest:
+    files = {
+        "training_model": "training_model.onnx", "eval_model": "eval_model.onnx",
+        "optimizer_model": "optimizer_model.onnx", "checkpoint": "checkpoint", "masks": "masks.npz",
+    }
+    return Manifest(
+        files=files,
+        sha256={name: sha256_file(stage / name) for name in files.values()},
+        input=TensorSpec(INPUT_NAME, (None, *example_input.shape[1:]), "float32"),
+        output=TensorSpec(OUTPUT_NAME, (None, *output.shape[1:]), "float32"),
+        label=label, loss=loss, optimizer=opt.to_dict(), batchnorm=batchnorm,
+        policy=policy.to_dict(), parameters=entries, versions=_versions(),
+        state={"epoch": 0, "step": 0},
+    )
+
+
 def export_bundle(
     model: nn.Module,
     example_input: torch.Tensor,
@@ -168,19 +187,9 @@ def export_bundle(
                     "Install onnx==1.17.0 (pip install 'edgeadapt[server]')"
                 )
         np.savez(stage / "masks.npz", **channel_masks(entries, prepared.trained_channels))
-        files = {
-            "training_model": "training_model.onnx", "eval_model": "eval_model.onnx",
-            "optimizer_model": "optimizer_model.onnx", "checkpoint": "checkpoint", "masks": "masks.npz",
-        }
-        manifest = Manifest(
-            files=files,
-            sha256={name: sha256_file(stage / name) for name in files.values()},
-            input=TensorSpec(INPUT_NAME, (None, *example_input.shape[1:]), "float32"),
-            output=TensorSpec(OUTPUT_NAME, (None, *output.shape[1:]), "float32"),
-            label=label, loss=loss, optimizer=opt.to_dict(), batchnorm=batchnorm,
-            policy=policy.to_dict(), parameters=entries, versions=_versions(),
-            state={"epoch": 0, "step": 0},
-        )
+        draft = _draft_manifest(stage, entries, loss, opt, batchnorm, label, example_input, output, policy)
+        session = choose_session(stage, draft, prepared.module, prepared.entries, example_input.numpy())
+        manifest = replace(draft, session=session)
         write_manifest(stage, manifest)
     log.info("exported bundle to %s: %d of %d parameter elements train",
              out_dir, manifest.trainable_numel, manifest.total_numel)

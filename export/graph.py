@@ -111,9 +111,51 @@ def _restore_merged_initializers(model: onnx.ModelProto, values: dict[str, torch
     return restored
 
 
-def _fit_for_ort_gradients(model: onnx.ModelProto) -> None:
-    """Rewrite two patterns whose gradients ONNX Runtime 1.19.2 gets wrong or cannot build.
+def _attr(node: onnx.NodeProto, name: str, default):
+    for a in node.attribute:
+        if a.name == name:
+            return onnx.helper.get_attribute_value(a)
+    return default
 
+
+def _average_pools_as_convs(model: onnx.ModelProto) -> int:
+    """Replace AveragePool by the equivalent depthwise Conv with constant 1/window weights.
+
+    ONNX Runtime 1.19.2's AveragePoolGrad kernel dies with SIGFPE (the whole process), so a
+    trainable graph must not contain it. With ``ceil_mode=0`` and zero padding counted in the
+    mean (torch's default), average pooling is exactly a grouped convolution.
+    """
+    pools = [n for n in model.graph.node if n.op_type == "AveragePool"]
+    if not pools:
+        return 0
+    shapes = {v.name: v.type.tensor_type.shape for v in onnx.shape_inference.infer_shapes(model).graph.value_info}
+    shapes.update({v.name: v.type.tensor_type.shape for v in model.graph.input})
+    for node in pools:
+        kernel = list(_attr(node, "kernel_shape", []))
+        pads = list(_attr(node, "pads", [0] * 2 * len(kernel)))
+        shape = shapes.get(node.input[0])
+        channels = shape.dim[1].dim_value if shape is not None and len(shape.dim) > 1 else 0
+        if _attr(node, "ceil_mode", 0) or (any(pads) and not _attr(node, "count_include_pad", 0)) or not channels:
+            raise UnsupportedOpError(
+                "AveragePool", [module_of_node(node.name)],
+                "ONNX Runtime 1.19.2 crashes computing its gradient, and this configuration "
+                "(ceil_mode, or padding excluded from the mean) has no exact convolution form")
+        weight = f"{node.output[0]}__avg_weight"
+        window = int(np.prod(kernel))
+        model.graph.initializer.append(numpy_helper.from_array(
+            np.full([channels, 1, *kernel], 1.0 / window, dtype=np.float32), weight))
+        conv = onnx.helper.make_node(
+            "Conv", [node.input[0], weight], list(node.output), name=node.name.replace("AveragePool", "AvgConv"),
+            kernel_shape=kernel, strides=list(_attr(node, "strides", [1] * len(kernel))), pads=pads,
+            group=channels)
+        node.CopyFrom(conv)
+    return len(pools)
+
+
+def _fit_for_ort_gradients(model: onnx.ModelProto) -> None:
+    """Rewrite patterns whose gradients ONNX Runtime 1.19.2 gets wrong or cannot build.
+
+    * AveragePool: see :func:`_average_pools_as_convs` (runs first; yields grouped Convs).
     * Grouped Conv (``group > 1``, e.g. depthwise): its ConvGrad kernel overwrites the incoming
       output-gradient buffer. When that buffer is shared (the conv feeds a residual Add, or has
       several consumers) the other branch receives garbage. A ``Mul`` by a ones tensor after the
@@ -121,6 +163,7 @@ def _fit_for_ort_gradients(model: onnx.ModelProto) -> None:
     * LayerNormalization exported with only ``Y``: the gradient builder needs the optional
       ``Mean`` and ``InvStdDev`` outputs, so they are declared.
     """
+    _average_pools_as_convs(model)
     nodes = []
     for node in model.graph.node:
         nodes.append(node)
@@ -206,11 +249,13 @@ def to_onnx(
         else:
             mapped.append(e)
     inits = {i.name for i in model.graph.initializer}
+    final = []
     for e in mapped:
-        for name in e.onnx_names.values():
-            if name not in inits and e.trainable_numel:
-                raise RuntimeError(
-                    f"trainable tensor {name} of parameter {e.name} is not an initializer of the "
-                    "exported graph; the forward must use the parameter directly"
-                )
-    return model, tuple(mapped)
+        if all(name in inits for name in e.onnx_names.values()):
+            final.append(e)
+            continue
+        # The forward never reads this parameter (an auxiliary head, a disabled branch).
+        if e.trainable_numel:
+            log.warning("parameter %s is not used by the forward pass; it cannot train and is left out", e.name)
+        final.append(ParameterEntry(e.name, e.shape, "frozen", {}, 0))
+    return model, tuple(final)

@@ -18,7 +18,8 @@ import onnx
 from onnxruntime.training import artifacts, onnxblock
 from onnxruntime.training.onnxblock import _graph_utils
 
-__all__ = ["LOSSES", "OPTIMIZERS", "OptimizerConfig", "EntropyLoss", "loss_block", "optimizer_block", "use_torch_adamw"]
+__all__ = ["LOSSES", "OPTIMIZERS", "OptimizerConfig", "EntropyLoss", "loss_block", "optimizer_block",
+           "use_torch_adamw", "torch_loss"]
 
 LOSSES = ("cross_entropy", "mse", "bce_with_logits", "entropy")
 OPTIMIZERS = ("adamw", "sgd")
@@ -110,3 +111,19 @@ def use_torch_adamw(optimizer_model: onnx.ModelProto) -> int:
                     attr.i = 0
                     changed += 1
     return changed
+
+
+def torch_loss(loss: str, output, labels):
+    """The torch value of a loss, as the training graph computes it (mean over the batch)."""
+    import torch
+
+    if loss == "cross_entropy":
+        return torch.nn.functional.cross_entropy(output, labels)
+    if loss == "mse":
+        return torch.nn.functional.mse_loss(output, labels)
+    if loss == "bce_with_logits":
+        return torch.nn.functional.binary_cross_entropy_with_logits(output, labels)
+    if loss == "entropy":
+        p = torch.softmax(output, -1)
+        return -(p * torch.log_softmax(output, -1)).sum(-1).mean()
+    raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")

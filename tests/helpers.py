@@ -99,3 +99,31 @@ def make_data(rng: np.random.Generator, n: int = 24, n_channels: int = 4, length
     X = rng.standard_normal((n, n_channels, length)).astype(np.float32)
     y = rng.integers(0, n_classes, n).astype(np.int64)
     return X, y
+
+
+def make_cnn2d(seed: int = 0, n_classes: int = 3):
+    """Conv2d-BN2d-ReLU, a depthwise Conv2d with a residual, average pooling, head."""
+    import torch
+    from torch import nn
+
+    class CNN2d(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(2, 6, 3, padding=1)
+            self.bn = nn.BatchNorm2d(6)
+            self.dw = nn.Conv2d(6, 6, 3, padding=1, groups=6)
+            self.pool = nn.AvgPool2d(2)
+            self.head = nn.Linear(6 * 4 * 4, n_classes)
+
+        def forward(self, x):
+            x = torch.relu(self.bn(self.conv(x)))
+            x = self.pool(x + self.dw(x))
+            return self.head(x.flatten(1))
+
+    torch.manual_seed(seed)
+    m = CNN2d()
+    with torch.no_grad():
+        m.bn.running_mean.uniform_(-0.5, 0.5)
+        m.bn.running_var.uniform_(0.5, 2.0)
+        m.bn.weight.uniform_(0.5, 1.5)
+    return m.eval()

@@ -28,8 +28,9 @@ class TrainingBackend(Protocol):
 
     device: str
 
-    def train_step(self, x: np.ndarray, y: np.ndarray | None) -> float:
-        """Forward + backward on one batch; gradients are kept for :meth:`apply_update`."""
+    def train_step(self, x: np.ndarray, y: np.ndarray | None) -> tuple[float, np.ndarray]:
+        """Forward + backward on one batch: (loss, model output); gradients are kept for
+        :meth:`apply_update`."""
 
     def apply_update(self, lr: float) -> None:
         """Apply the optimizer to the kept gradients with learning rate ``lr``, then clear them."""
@@ -42,6 +43,12 @@ class TrainingBackend(Protocol):
 
     def get_tensor(self, name: str) -> np.ndarray:
         """Current value of a graph initializer (parameter) as a numpy copy."""
+
+    def get_gradient(self, name: str) -> np.ndarray:
+        """The kept gradient of a trainable graph initializer, as a numpy copy."""
+
+    def get_gradient(self, name: str) -> np.ndarray:
+        return np.array(self._state.get_parameter(name).grad.numpy(), copy=True)
 
     def set_tensor(self, name: str, value: np.ndarray) -> None:
         """Overwrite a graph initializer (parameter) in place."""
@@ -65,8 +72,8 @@ class OrtTrainingBackend:
         files = manifest.files
         self._state = C.load_checkpoint(os.fspath(checkpoint_path or bundle_dir / files["checkpoint"]))
         self._options = C.SessionOptions()
-        # ORT_NOTES: without the memory pattern planner the training step's peak is about halved.
-        self._options.enable_mem_pattern = False
+        # Chosen at export by checking a training step against torch (see export.selfcheck).
+        self._options.enable_mem_pattern = bool(manifest.session["enable_mem_pattern"])
         if threads:
             self._options.intra_op_num_threads = int(threads)
         self._has_labels = manifest.label is not None
@@ -82,14 +89,16 @@ class OrtTrainingBackend:
 
         (self._module, self._optimizer), self.device = open_on_device(device, create)
         self._output_index = self._module.output_names(False).index(manifest.output.name)
+        if self._module.output_names(True).index(manifest.output.name) != self._output_index:
+            raise RuntimeError("internal: training and eval graphs order their outputs differently")
 
     def _inputs(self, x: np.ndarray, y: np.ndarray | None) -> list[np.ndarray]:
         return [x, y] if self._has_labels else [x]
 
-    def train_step(self, x: np.ndarray, y: np.ndarray | None) -> float:
+    def train_step(self, x: np.ndarray, y: np.ndarray | None) -> tuple[float, np.ndarray]:
         fetches = C.OrtValueVector()
         self._module.train_step(self._inputs(x, y), fetches)
-        return float(fetches[0].numpy())
+        return float(fetches[0].numpy()), fetches[self._output_index].numpy()
 
     def apply_update(self, lr: float) -> None:
         self._optimizer.set_learning_rate(float(lr))
@@ -106,6 +115,9 @@ class OrtTrainingBackend:
 
     def get_tensor(self, name: str) -> np.ndarray:
         return np.array(self._state.get_parameter(name).data.numpy(), copy=True)
+
+    def get_gradient(self, name: str) -> np.ndarray:
+        return np.array(self._state.get_parameter(name).grad.numpy(), copy=True)
 
     def set_tensor(self, name: str, value: np.ndarray) -> None:
         self._state.copy_parameter_from(name, C.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value)))

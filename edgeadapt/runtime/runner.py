@@ -121,7 +121,7 @@ class Runner:
         Raises:
             NonFiniteLossError: the loss is NaN/inf; the update is not applied.
         """
-        loss = self._backend.train_step(x, y)
+        loss, _ = self._backend.train_step(x, y)
         if not math.isfinite(loss):
             self._backend.discard_gradients()
             raise NonFiniteLossError(self.step, loss)
@@ -223,8 +223,8 @@ class Runner:
         """Current values under the source model's parameter names, full shapes reassembled."""
         out = {}
         for e in self.manifest.parameters:
-            if trainable_only and not e.trainable_numel:
-                continue
+            if (trainable_only and not e.trainable_numel) or not e.onnx_names:
+                continue  # not trained, or not in the graph at all (unused by the forward)
             if e.is_split:
                 names = e.onnx_names
                 both = np.concatenate([self._backend.get_tensor(names["trained"]), self._backend.get_tensor(names["frozen"])])

@@ -133,3 +133,20 @@ def test_fresh_batchnorm_parameters_keep_their_own_names(tmp_path):
     manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
     trained = {p["name"] for p in manifest["parameters"] if p["trainable_numel"]}
     assert {"1.weight", "1.bias", "4.weight", "4.bias", "0.bias", "3.bias", "6.bias"} == trained
+
+
+def test_self_check_refuses_a_graph_ort_gets_wrong(tmp_path, monkeypatch):
+    """Without the grouped-conv rewrite, ORT's gradients are wrong for a residual depthwise
+    conv; the export-time check against torch must catch it and write nothing."""
+    from edgeadapt.export import graph
+    from edgeadapt.export.selfcheck import SelfCheckError
+
+    monkeypatch.setattr(graph, "_fit_for_ort_gradients", lambda model: None)
+    with pytest.raises(SelfCheckError, match="gradient of conv"):
+        export_bundle(make_cnn(), EXAMPLE, tmp_path / "b", policy=UpdatePolicy.full())
+    assert not (tmp_path / "b").exists()
+
+
+def test_session_setting_is_recorded(cnn_bundle):
+    manifest = read_manifest(cnn_bundle)
+    assert isinstance(manifest.session["enable_mem_pattern"], bool)

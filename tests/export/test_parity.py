@@ -15,7 +15,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from helpers import make_cnn, make_data, make_transformer
+from helpers import make_cnn, make_cnn2d, make_data, make_transformer
 
 from edgeadapt.export import OptimizerConfig, Rule, UpdatePolicy, export_bundle
 from edgeadapt.runtime import Runner
@@ -29,6 +29,8 @@ POLICIES = {
     "bias-norm": UpdatePolicy.bias_and_norm(),
     "channels": UpdatePolicy(rules=(Rule("head", "full"), Rule("conv2", "channels", ratio=0.5),
                                     Rule("bn2", "channels", indices=(0, 3, 7)))),
+    "2d-channels": UpdatePolicy(rules=(Rule("head", "full"), Rule("dw", "channels", indices=(1, 4)),
+                                       Rule("bn", "full"))),
     "tf-channels": UpdatePolicy(rules=(Rule("head", "full"), Rule("qkv", "channels", ratio=0.25),
                                        Rule("norm2", "full"))),
 }
@@ -96,6 +98,8 @@ CASES = [
     ("cnn", "full", "mse", "adamw"),
     ("cnn", "channels", "bce_with_logits", "adamw"),
     ("cnn", "bias-norm", "entropy", "sgd"),
+    ("cnn2d", "full", "cross_entropy", "adamw"),
+    ("cnn2d", "2d-channels", "cross_entropy", "adamw"),
     ("transformer", "full", "cross_entropy", "adamw"),
     ("transformer", "tf-channels", "cross_entropy", "adamw"),
 ]
@@ -104,8 +108,10 @@ CASES = [
 @pytest.mark.parametrize("arch,policy,loss,opt_name", CASES, ids=["-".join(c) for c in CASES])
 def test_runner_matches_torch_autograd(tmp_path, arch, policy, loss, opt_name):
     rng = np.random.default_rng(1)
-    model = make_cnn() if arch == "cnn" else make_transformer()
-    X, _ = make_data(rng, n=STEPS * BATCH)
+    model = {"cnn": make_cnn, "cnn2d": make_cnn2d, "transformer": make_transformer}[arch]()
+    X, _ = make_data(rng, n=STEPS * BATCH, n_channels=8 if arch == "cnn2d" else 4)
+    if arch == "cnn2d":  # (windows, 2, 8, 8): e.g. two spectrogram channels
+        X = X.reshape(len(X), 2, 8, 8)
     y = targets(loss, rng, len(X), 3)
     opt = OptimizerConfig(opt_name, lr=LR, weight_decay=0.01 if opt_name == "adamw" else 0.0)
     export_bundle(model, torch.from_numpy(X[:2]), tmp_path / "b", policy=POLICIES[policy], loss=loss, optimizer=opt)
