@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from ..atomic import atomic_path
 
 __all__ = ["WindowDataset", "read_npz", "FORMAT_KEY", "FORMAT_VALUE"]
 
@@ -209,16 +210,8 @@ class WindowDataset:
         for name in _OPTIONAL_ARRAYS:
             if getattr(self, name) is not None:
                 arrays[name] = getattr(self, name)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, **arrays)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp_name, path)
-        except BaseException:
-            Path(tmp_name).unlink(missing_ok=True)
-            raise
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:
+            np.savez(f, **arrays)  # a file object: np.savez appends no ".npz"
         return path
 
     @classmethod

@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .atomic import atomic_write_json
+
 __all__ = ["AdaptJobSpec", "run_job", "run_job_in_subprocess", "main"]
 
 
@@ -111,10 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m edgeadapt.adapt_job SPEC.json REPORT.json", file=sys.stderr)
         return 2
     spec = AdaptJobSpec(**json.loads(Path(args[0]).read_text()))
-    report = run_job(spec)
-    tmp = Path(args[1]).with_suffix(".tmp")
-    tmp.write_text(json.dumps(report, indent=2))
-    os.replace(tmp, args[1])
+    atomic_write_json(args[1], run_job(spec))
     return 0
 
 

@@ -1,8 +1,7 @@
-"""Crash-safe file writes: temp file or directory in the same folder, then an atomic rename.
+"""Crash-safe writes: a temp file or directory in the same folder, then an atomic rename.
 
-A reader never sees a half-written file: either the previous version or the new one. Every
-writer here fsyncs the data before the rename so a power loss cannot leave a renamed but empty
-file behind.
+A reader never sees a half-written file: either the previous version or the new one. Data are
+fsynced before the rename, so a power loss cannot leave a renamed but empty file behind.
 """
 
 from __future__ import annotations
@@ -16,10 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_write_bytes", "atomic_write_json", "atomic_copy", "staged_directory"]
+__all__ = ["atomic_path", "atomic_write_bytes", "atomic_write_json", "staged_directory"]
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -27,42 +26,37 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that ``path`` holds either the old or the new bytes."""
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on success it replaces ``path`` atomically.
+
+    The body writes the temporary file by any means (an engine that only takes a path, such
+    as ONNX Runtime's checkpoint writer, included). If the body raises, the temporary file is
+    removed and ``path`` is untouched.
+    """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
+        _fsync_path(tmp)
         os.replace(tmp, path)
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+        tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    _fsync_path(path.parent)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that ``path`` holds either the old or the new bytes."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
 
 
 def atomic_write_json(path: str | os.PathLike, value: Any) -> None:
     """Write ``value`` as indented, key-sorted JSON, atomically."""
     atomic_write_bytes(path, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode())
-
-
-def atomic_copy(src: str | os.PathLike, dst: str | os.PathLike) -> None:
-    """Copy ``src`` to ``dst`` through a temp file and an atomic rename."""
-    dst = Path(dst)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-    os.close(fd)
-    try:
-        shutil.copyfile(src, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, dst)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 @contextlib.contextmanager
@@ -87,4 +81,4 @@ def staged_directory(target: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
-    _fsync_dir(target.parent)
+    _fsync_path(target.parent)

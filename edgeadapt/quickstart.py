@@ -8,7 +8,6 @@ full fine-tuning for comparison. Writes ``report.json``, ``accuracy.png`` and ``
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import time

@@ -47,12 +47,6 @@ class TrainingBackend(Protocol):
     def get_gradient(self, name: str) -> np.ndarray:
         """The kept gradient of a trainable graph initializer, as a numpy copy."""
 
-    def get_gradient(self, name: str) -> np.ndarray:
-        return np.array(self._state.get_parameter(name).grad.numpy(), copy=True)
-
-    def set_tensor(self, name: str, value: np.ndarray) -> None:
-        """Overwrite a graph initializer (parameter) in place."""
-
     def save_checkpoint(self, path: Path) -> None:
         """Write parameters and optimizer state to ``path``."""
 
@@ -118,9 +112,6 @@ class OrtTrainingBackend:
 
     def get_gradient(self, name: str) -> np.ndarray:
         return np.array(self._state.get_parameter(name).grad.numpy(), copy=True)
-
-    def set_tensor(self, name: str, value: np.ndarray) -> None:
-        self._state.copy_parameter_from(name, C.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value)))
 
     def save_checkpoint(self, path: Path) -> None:
         C.save_checkpoint(self._state, os.fspath(path), True)

@@ -11,7 +11,6 @@ Torch-free: numpy + onnxruntime only. A typical session::
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -27,7 +26,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..atomic import staged_directory
+from ..atomic import atomic_path, staged_directory
 from ..bundle import BundleError, Manifest, read_manifest, sha256_file, write_manifest
 from .backend import OrtTrainingBackend, TrainingBackend
 from .errors import NonFiniteLossError
@@ -40,7 +39,7 @@ log = logging.getLogger(__name__)
 SCHEDULES = ("constant", "cosine")
 _MODEL_ROLES = ("training_model", "eval_model", "optimizer_model", "masks")
 # Checkpoint files the runner writes (and the exporter's "checkpoint"), plus their temp files.
-_CHECKPOINT_FILE = re.compile(r"checkpoint(-\d+-[0-9a-f]+)?|\.checkpoint-\d+-[0-9a-f]+\.tmp")
+_CHECKPOINT_FILE = re.compile(r"checkpoint(-\d+-[0-9a-f]+)?|\.checkpoint-\d+-[0-9a-f]+\.\w+\.tmp")
 
 
 @dataclass(frozen=True)
@@ -242,16 +241,8 @@ class Runner:
 
     def _write_checkpoint(self, directory: Path) -> tuple[str, str]:
         name = f"checkpoint-{self.step:06d}-{secrets.token_hex(3)}"
-        tmp = directory / f".{name}.tmp"
-        try:
+        with atomic_path(directory / name) as tmp:
             self._backend.save_checkpoint(tmp)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, directory / name)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
         return name, sha256_file(directory / name)
 
     def _same_graphs(self, other: Path) -> bool:
@@ -300,12 +291,6 @@ class Runner:
         """Write a plain ONNX model (input -> output) with the current parameters, atomically."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(3)}.tmp")
-        try:
+        with atomic_path(path) as tmp:
             self._backend.export_inference(tmp, [self.manifest.output.name])
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
         return path

@@ -18,6 +18,7 @@ import torch
 from helpers import make_cnn, make_cnn2d, make_data, make_transformer
 
 from edgeadapt.export import OptimizerConfig, Rule, UpdatePolicy, export_bundle
+from edgeadapt.export.objectives import torch_loss
 from edgeadapt.runtime import Runner
 
 STEPS, BATCH, LR = 6, 4, 1e-2
@@ -34,17 +35,6 @@ POLICIES = {
     "tf-channels": UpdatePolicy(rules=(Rule("head", "full"), Rule("qkv", "channels", ratio=0.25),
                                        Rule("norm2", "full"))),
 }
-
-
-def torch_loss(name: str, out: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
-    if name == "cross_entropy":
-        return torch.nn.functional.cross_entropy(out, y)
-    if name == "mse":
-        return torch.nn.functional.mse_loss(out, y)
-    if name == "bce_with_logits":
-        return torch.nn.functional.binary_cross_entropy_with_logits(out, y)
-    p = torch.softmax(out, -1)
-    return -(p * torch.log_softmax(out, -1)).sum(-1).mean()
 
 
 def torch_reference(model, masks, loss, opt_name, X, y):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 from helpers import run_python
 
 DEVICE_JOB = """
