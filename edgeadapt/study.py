@@ -51,7 +51,13 @@ def make_split(ds: WindowDataset, target_subject: int, k_per_class: int, seed: i
     """Split ``ds`` for one target subject; normalisation is fitted on source training windows."""
     rng = np.random.default_rng(seed)
     source = np.flatnonzero(ds.subject != target_subject)
-    is_val = rng.random(source.size) < val_fraction
+    if ds.recording is not None:
+        # Overlapping windows of one recording must not straddle train and validation.
+        recordings = np.unique(ds.recording[source])
+        held = recordings[rng.random(recordings.size) < val_fraction]
+        is_val = np.isin(ds.recording[source], held)
+    else:
+        is_val = rng.random(source.size) < val_fraction
     norm = ChannelNormalizer.fit(ds, source[~is_val])
     ds_n = norm.apply(ds)
     shot = few_shot_split(ds_n, target_subject, k_per_class, seed)
