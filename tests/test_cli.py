@@ -101,3 +101,13 @@ def test_errors_are_one_clear_line(tmp_path, cnn_bundle, rng):
 
     proc = cli("export", "no_such_module_xyz:f", "--input-shape", "4,16", "--out", str(tmp_path / "b"))
     assert proc.returncode != 0 and "no_such_module_xyz" in proc.stderr
+
+
+def test_adapt_with_diverging_loss_saves_last_good_state_and_exits_3(tmp_path, cnn_bundle, rng):
+    X = rng.standard_normal((12, 16, 4)).astype(np.float32)
+    np.savez(tmp_path / "d.npz", X=X, y=np.arange(12) % 3, subject=np.zeros(12, dtype=np.int64), sample_rate_hz=50.0)
+    proc = cli("adapt", str(cnn_bundle), "--data", str(tmp_path / "d.npz"), "--out", str(tmp_path / "o"),
+               "--lr", "1e38", "--epochs", "2", "--batch-size", "4", "--no-progress", block_torch=True)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "rolled back to step 0" in proc.stderr and "saved to" in proc.stderr
+    assert json.loads((tmp_path / "o" / "manifest.json").read_text())["state"]["step"] == 0
