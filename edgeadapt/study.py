@@ -51,18 +51,34 @@ def make_split(ds: WindowDataset, target_subject: int, k_per_class: int, seed: i
     """Split ``ds`` for one target subject; normalisation is fitted on source training windows."""
     rng = np.random.default_rng(seed)
     source = np.flatnonzero(ds.subject != target_subject)
-    if ds.recording is not None:
-        # Overlapping windows of one recording must not straddle train and validation.
-        recordings = np.unique(ds.recording[source])
-        held = recordings[rng.random(recordings.size) < val_fraction]
-        is_val = np.isin(ds.recording[source], held)
-    else:
+    if ds.recording is None:
         is_val = rng.random(source.size) < val_fraction
-    norm = ChannelNormalizer.fit(ds, source[~is_val])
+        train_idx, val_idx = source[~is_val], source[is_val]
+    else:
+        train_idx, val_idx = _split_recordings_in_time(ds, source, val_fraction)
+    norm = ChannelNormalizer.fit(ds, train_idx)
     ds_n = norm.apply(ds)
     shot = few_shot_split(ds_n, target_subject, k_per_class, seed)
-    return SplitData(target_subject, ds_n.subset(source[~is_val]), ds_n.subset(source[is_val]),
+    return SplitData(target_subject, ds_n.subset(train_idx), ds_n.subset(val_idx),
                      ds_n.subset(shot.adapt_idx), ds_n.subset(shot.eval_idx), norm)
+
+
+def _split_recordings_in_time(ds: WindowDataset, idx: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """The last ``val_fraction`` of every recording validates, the rest trains.
+
+    Windows cut with overlap from one recording share samples, so a random split would leak;
+    here a training window must end before the validation part starts (windows straddling the
+    cut are dropped). Every recording, hence every class, keeps windows on both sides.
+    """
+    train, val = [], []
+    length = ds.X.shape[2]
+    for rec in np.unique(ds.recording[idx]):
+        members = idx[ds.recording[idx] == rec]
+        starts = ds.start_sample[members]
+        cut = starts.min() + (1.0 - val_fraction) * (starts.max() + length - starts.min())
+        val.append(members[starts >= cut])
+        train.append(members[starts + length <= cut])
+    return np.sort(np.concatenate(train)), np.sort(np.concatenate(val))
 
 
 def sparse_policy(model_name: str) -> str:
@@ -100,11 +116,17 @@ def method_recipe(method: str, model_name: str) -> dict[str, Any]:
 
 def pretrain_source(model_name: str, split: SplitData, *, epochs: int, seed: int, lr: float = 3e-3,
                     batch_size: int = 64, progress: bool = False):
-    """Build a reference model and pretrain it on the source subjects (plain torch loop)."""
+    """Build a reference model and pretrain it on the source subjects (plain torch loop).
+
+    Deterministic in ``seed``: the initialisation is seeded as well as the training loop.
+    """
+    import torch
+
     from .export.models import build_model
     from .export.pretrain import pretrain
 
     tr = split.source_train
+    torch.manual_seed(seed)
     model = build_model(model_name, tr.X.shape[1], tr.n_classes, tr.X.shape[2])
     pretrain(model, tr.X, tr.y, epochs=epochs, batch_size=batch_size, lr=lr, weight_decay=1e-2,
              seed=seed, progress=progress)
