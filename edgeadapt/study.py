@@ -103,7 +103,8 @@ def method_recipe(method: str, model_name: str) -> dict[str, Any]:
     """
     recipes = {
         "last-layer": dict(policy="last-layer", loss="cross_entropy", batchnorm="frozen", lr_scale=1.0),
-        "bias-norm": dict(policy="bias-norm", loss="cross_entropy", batchnorm="frozen", lr_scale=1.0),
+        # 582 elements: a 10x learning rate is best (LOSO sweep: synthetic 0.79 -> 0.85, watch 0.91 -> 0.94)
+        "bias-norm": dict(policy="bias-norm", loss="cross_entropy", batchnorm="frozen", lr_scale=10.0),
         "bn-stats": dict(policy="last-layer", loss="entropy", batchnorm="batch", lr_scale=0.0),
         "entropy": dict(policy="bias-norm", loss="entropy", batchnorm="batch", lr_scale=0.1),
         "sparse": dict(policy=sparse_policy(model_name), loss="cross_entropy", batchnorm="frozen", lr_scale=1.0),
