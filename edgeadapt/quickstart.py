@@ -2,8 +2,8 @@
 
 Generate (or load) data, pretrain on the source subjects, export a sparse-update bundle, adapt
 it to a held-out subject in a separate torch-free process, and report accuracy before/after,
-what was trained, the peak memory of the adaptation step and the time, next to last-layer and
-full fine-tuning for comparison. Writes ``report.json``, ``accuracy.png`` and ``memory.png``.
+what was trained, the peak memory of the adaptation step and the time, next to last-layer,
+biases + norm affine and full fine-tuning. Writes ``report.json``, ``accuracy.png``, ``memory.png``.
 """
 
 from __future__ import annotations
