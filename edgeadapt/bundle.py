@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +41,6 @@ __all__ = [
     "verify_checksums",
 ]
 
-log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -259,13 +258,7 @@ class Manifest:
 
     @property
     def total_numel(self) -> int:
-        total = 0
-        for p in self.parameters:
-            n = 1
-            for s in p.shape:
-                n *= s
-            total += n
-        return total
+        return sum(math.prod(p.shape) for p in self.parameters)
 
     @property
     def optimizer_state_numel(self) -> int:

@@ -15,7 +15,6 @@ from pathlib import Path
 
 __all__ = ["main", "build_parser"]
 
-log = logging.getLogger(__name__)
 
 
 # ---- helpers --------------------------------------------------------------------------

@@ -162,7 +162,7 @@ def export_bundle(
 
     prepared = prepare_model(model, policy, batchnorm)
     with torch.no_grad():
-        reference = copy_eval(model)(example_input)
+        reference = copy.deepcopy(model).eval()(example_input)  # never flip the caller's mode
         output = prepared.module(example_input)
     if not isinstance(output, torch.Tensor):
         raise ValueError("the model must return a single tensor (logits or regression output)")
@@ -195,7 +195,3 @@ def export_bundle(
              out_dir, manifest.trainable_numel, manifest.total_numel)
     return manifest
 
-
-def copy_eval(model: nn.Module) -> nn.Module:
-    """A deep copy of ``model`` in eval mode (export never changes the caller's train/eval state)."""
-    return copy.deepcopy(model).eval()

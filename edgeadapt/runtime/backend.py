@@ -7,7 +7,6 @@ format or the runner's public API. Backends speak in graph tensor names and nump
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 from typing import Protocol
@@ -20,7 +19,6 @@ from .device import open_on_device
 
 __all__ = ["TrainingBackend", "OrtTrainingBackend"]
 
-log = logging.getLogger(__name__)
 
 
 class TrainingBackend(Protocol):
