@@ -213,3 +213,18 @@ def test_predict_and_evaluate_agree(bundle, rng):
     result = runner.evaluate(X, y, batch_size=4)
     assert result.accuracy == pytest.approx(float((logits.argmax(1) == y).mean()))
     assert result.n_windows == 10 and np.isfinite(result.loss)
+
+
+@pytest.mark.gpu
+def test_cuda_session_matches_cpu(bundle, rng):
+    X, y = make_data(rng, n=8)
+    try:
+        gpu = Runner.load(bundle, device="cuda")
+    except DeviceUnavailableError as e:  # CUDA provider built in, but no usable GPU/libraries here
+        pytest.skip(str(e))
+    cpu = Runner.load(bundle, device="cpu")
+    assert gpu.device == "cuda"
+    for runner in (cpu, gpu):
+        runner.adapt(X, y, epochs=2, batch_size=4, shuffle=False, progress=False)
+    a, b = cpu.parameters(), gpu.parameters()
+    assert all(np.allclose(a[k], b[k], atol=1e-5) for k in a)
