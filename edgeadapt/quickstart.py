@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .atomic import atomic_write_json
 from .datasets import SyntheticConfig, WindowDataset, load_dataset, make_synthetic
-from .study import make_split, per_subject_accuracy, pretrain_source, run_method, sparse_policy
+from .study import make_split, per_subject_accuracy, pretrain_source, run_method
 
 __all__ = ["QuickstartConfig", "run_quickstart"]
 
@@ -129,9 +129,12 @@ def run_quickstart(cfg: QuickstartConfig, echo: Callable[[str], None] = log.info
 
     epochs = cfg.epochs or (3 if cfg.small else 40)
     lr = 3e-3
-    # The chosen policy first (as method "sparse" with the policy spec), then the comparisons.
-    named = {"sparse": sparse_policy(cfg.model)}
-    runs = [("sparse", named.get(cfg.policy, cfg.policy), cfg.policy, "main")]
+    # The chosen policy first, then the comparisons. A named method keeps its own recipe
+    # (learning-rate scale); any other spec runs with the sparse recipe.
+    if cfg.policy in ("sparse", *COMPARED):
+        runs = [(cfg.policy, None, cfg.policy, "main")]
+    else:
+        runs = [("sparse", cfg.policy, cfg.policy, "main")]
     runs += [(m, None, m, m) for m in COMPARED if m != cfg.policy]
     reports = []
     for method, policy, label, folder in runs:
