@@ -26,7 +26,7 @@ from torch.nn.utils import parametrize
 from ..bundle import ParameterEntry
 from .policy import Mode, UpdatePolicy, resolve_channels
 
-__all__ = ["FrozenBatchNorm", "ChannelSplit", "PreparedModel", "prepare_model", "BATCHNORM_MODES"]
+__all__ = ["FrozenBatchNorm", "ChannelSplit", "PreparedModel", "prepare_model", "channel_masks", "BATCHNORM_MODES"]
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +133,8 @@ def prepare_model(model: nn.Module, policy: UpdatePolicy, batchnorm: str = "froz
             weight = dict(own).get("weight", own[0][1])
             channels = resolve_channels(rule, path, weight.detach().cpu().numpy())
             n_out = weight.shape[0]
+            if len(channels) == n_out:  # every channel trains: no frozen slice to split off
+                mode = Mode.FULL
         for local, param in own:
             name = f"{path}.{local}" if path else local
             shape = tuple(param.shape)

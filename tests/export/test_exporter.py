@@ -150,3 +150,11 @@ def test_self_check_refuses_a_graph_ort_gets_wrong(tmp_path, monkeypatch):
 def test_session_setting_is_recorded(cnn_bundle):
     manifest = read_manifest(cnn_bundle)
     assert isinstance(manifest.session["enable_mem_pattern"], bool)
+
+
+def test_channel_ratio_of_one_is_a_full_update(tmp_path):
+    export_bundle(make_cnn(), EXAMPLE, tmp_path / "b",
+                  policy=UpdatePolicy(rules=(Rule("conv2", "channels", ratio=1.0), Rule("head", "full"))))
+    entries = {p.name: p for p in read_manifest(tmp_path / "b").parameters}
+    assert entries["conv2.weight"].mode == "full" and not entries["conv2.weight"].is_split
+    assert entries["conv2.weight"].trainable_numel == 12 * 8 * 3
