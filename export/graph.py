@@ -238,7 +238,6 @@ def to_onnx(
         log.debug("restored %d initializers merged by the exporter", n)
 
     _fit_for_ort_gradients(model)
-    inits = {i.name for i in model.graph.initializer}
     mapped = []
     for e in entries:
         if e.is_split:
