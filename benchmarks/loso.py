@@ -56,7 +56,10 @@ if str(REPO) not in sys.path:
 
 from edgeadapt.atomic import atomic_write_bytes, atomic_write_json  # noqa: E402
 from edgeadapt.datasets import SyntheticConfig, WindowDataset, load_dataset, make_synthetic  # noqa: E402
-from edgeadapt.study import LABEL_FREE, make_split, method_recipe, per_subject_accuracy, pretrain_source, run_method, sparse_policy  # noqa: E402
+from edgeadapt.study import (  # noqa: E402
+    LABEL_FREE, make_split, method_recipe, per_subject_accuracy, pretrain_source, run_method,
+    save_target_data, sparse_policy,
+)
 
 log = logging.getLogger("loso")
 
@@ -295,9 +298,10 @@ def main(argv: list[str] | None = None) -> int:
                 "source_val_accuracy_mean": statistics.fmean(val_acc.values())}
         reports = {}
         with tempfile.TemporaryDirectory(prefix=f"loso_{target}_") as work:
+            target_data = save_target_data(split, Path(work))
             for m in methods:
                 study_method, _ = ADAPTED[m]
-                r = run_method(study_method, model, args.model, split, Path(work) / m, epochs=args.epochs,
+                r = run_method(study_method, model, args.model, split, target_data, Path(work) / m, epochs=args.epochs,
                                lr=args.lr, seed=args.seed, threads=args.threads, policy=_policy_for(m, args.model))
                 if r["torch_imported"]:
                     raise RuntimeError("internal: the adaptation process imported torch")

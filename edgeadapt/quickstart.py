@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .atomic import atomic_write_json
 from .datasets import SyntheticConfig, WindowDataset, load_dataset, make_synthetic
-from .study import make_split, per_subject_accuracy, pretrain_source, run_method
+from .study import make_split, per_subject_accuracy, pretrain_source, run_method, save_target_data
 
 __all__ = ["QuickstartConfig", "run_quickstart"]
 
@@ -137,8 +137,9 @@ def run_quickstart(cfg: QuickstartConfig, echo: Callable[[str], None] = log.info
         runs = [("sparse", cfg.policy, cfg.policy, "main")]
     runs += [(m, None, m, m) for m in COMPARED if m != cfg.policy]
     reports = []
+    target_data = save_target_data(split, work)
     for method, policy, label, folder in runs:
-        r = run_method(method, model, cfg.model, split, work / folder, epochs=epochs, lr=lr,
+        r = run_method(method, model, cfg.model, split, target_data, work / folder, epochs=epochs, lr=lr,
                        seed=cfg.seed, policy=policy)
         r["method"] = label
         if r["torch_imported"]:

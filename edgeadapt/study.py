@@ -17,7 +17,7 @@ from .adapt_job import AdaptJobSpec, run_job_in_subprocess
 from .datasets import ChannelNormalizer, WindowDataset, few_shot_split
 
 __all__ = ["METHODS", "LABEL_FREE", "SplitData", "make_split", "sparse_policy", "method_recipe",
-           "pretrain_source", "per_subject_accuracy", "run_method"]
+           "pretrain_source", "per_subject_accuracy", "save_target_data", "run_method"]
 
 log = logging.getLogger(__name__)
 
@@ -141,12 +141,20 @@ def per_subject_accuracy(model, ds: WindowDataset) -> dict[int, float]:
     return {int(s): accuracy(model, ds.X[ds.subject == s], ds.y[ds.subject == s]) for s in ds.subjects}
 
 
-def run_method(method: str, model, model_name: str, split: SplitData, workdir: Path, *,
-               epochs: int, lr: float, batch_size: int = 16, seed: int = 0, threads: int | None = None,
-               policy: str | None = None) -> dict:
+def save_target_data(split: SplitData, directory: Path) -> tuple[Path, Path]:
+    """Write the target's adaptation and evaluation windows once, for every method's job to read."""
+    directory.mkdir(parents=True, exist_ok=True)
+    return (split.target_adapt.save_npz(directory / "target_adapt.npz"),
+            split.target_eval.save_npz(directory / "target_eval.npz"))
+
+
+def run_method(method: str, model, model_name: str, split: SplitData, target_data: tuple[Path, Path],
+               workdir: Path, *, epochs: int, lr: float, batch_size: int = 16, seed: int = 0,
+               threads: int | None = None, policy: str | None = None) -> dict:
     """Export ``model`` for ``method`` and adapt it to the target in a torch-free process.
 
-    ``policy`` (an ``UpdatePolicy.parse`` spec) replaces the method's own policy.
+    ``target_data`` are the files :func:`save_target_data` wrote for ``split``. ``policy`` (an
+    ``UpdatePolicy.parse`` spec) replaces the method's own policy.
     Returns the job report (accuracy before/after, peak step memory, trainable elements, times).
     """
     import torch
@@ -161,10 +169,8 @@ def run_method(method: str, model, model_name: str, split: SplitData, workdir: P
     example = torch.from_numpy(split.target_adapt.X[:2])
     export_bundle(model, example, bundle, policy=UpdatePolicy.parse(recipe["policy"]), loss=recipe["loss"],
                   optimizer=OptimizerConfig("adamw", lr=lr, weight_decay=0.01), batchnorm=recipe["batchnorm"])
-    split.target_adapt.save_npz(workdir / "adapt.npz")
-    split.target_eval.save_npz(workdir / "eval.npz")
-    spec = AdaptJobSpec(bundle=str(bundle), adapt_data=str(workdir / "adapt.npz"),
-                        eval_data=str(workdir / "eval.npz"), out_dir=str(workdir / "adapted"),
+    spec = AdaptJobSpec(bundle=str(bundle), adapt_data=str(target_data[0]),
+                        eval_data=str(target_data[1]), out_dir=str(workdir / "adapted"),
                         epochs=epochs, batch_size=batch_size, lr=lr * recipe["lr_scale"], seed=seed,
                         device="cpu", threads=threads)
     report = run_job_in_subprocess(spec, workdir)
