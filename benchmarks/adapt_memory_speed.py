@@ -152,7 +152,7 @@ def _torch_step_fn(spec: dict):
     import torch
 
     from edgeadapt.bundle import read_manifest
-    from edgeadapt.export.models import build_model
+    from edgeadapt.models import build_model
 
     torch.set_num_threads(spec["threads"])
     manifest = read_manifest(spec["bundle"], verify=False)
@@ -290,7 +290,7 @@ def export_all(args, tmp: Path) -> tuple[dict, Path, int]:
     import torch
 
     from edgeadapt.export import OptimizerConfig, export_bundle
-    from edgeadapt.export.models import build_model, count_parameters
+    from edgeadapt.models import build_model, count_parameters
 
     torch.manual_seed(0)
     model = build_model(MODEL, N_CHANNELS, N_CLASSES, args.time_steps)

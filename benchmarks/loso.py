@@ -9,7 +9,7 @@ For each target subject of the dataset (one *fold*):
 2. ``study.pretrain_source``: one source model per fold, pretrained once; every method starts
    from this same model.
 3. ``study.run_method`` for each method: export a bundle for the method and adapt it to the
-   target in a fresh torch-free process (``edgeadapt.adapt_job``), which reports accuracy on the
+   target in a fresh torch-free process (``edgeadapt.harness.adapt_job``), which reports accuracy on the
    target's evaluation windows before and after, the trained elements, and the peak memory of
    the adaptation as DESIGN.md defines it (VmHWM delta over the same process with the model
    loaded and no step run; that loaded baseline is reported too).
@@ -56,7 +56,7 @@ if str(REPO) not in sys.path:
 
 from edgeadapt.atomic import atomic_write_bytes, atomic_write_json  # noqa: E402
 from edgeadapt.datasets import SyntheticConfig, WindowDataset, load_dataset, make_synthetic  # noqa: E402
-from edgeadapt.study import (  # noqa: E402
+from edgeadapt.harness.study import (  # noqa: E402
     LABEL_FREE, make_split, method_recipe, per_subject_accuracy, pretrain_source, run_method,
     save_target_data, sparse_policy,
 )

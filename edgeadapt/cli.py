@@ -166,7 +166,7 @@ def cmd_export_inference(args: argparse.Namespace) -> int:
 
 
 def cmd_quickstart(args: argparse.Namespace) -> int:
-    from .quickstart import QuickstartConfig, run_quickstart
+    from .harness.quickstart import QuickstartConfig, run_quickstart
 
     cfg = QuickstartConfig(dataset=args.dataset, model=args.model, policy=args.policy, out_dir=Path(args.out),
                            k_per_class=args.k_per_class, epochs=args.epochs, seed=args.seed, small=args.small)

@@ -13,7 +13,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 
-TORCH_BLOCKER = "from edgeadapt.isolation import forbid_torch\nforbid_torch()\n"
+TORCH_BLOCKER = "from edgeadapt.harness.isolation import forbid_torch\nforbid_torch()\n"
 
 
 def run_python(code: str, *, block_torch: bool = False, cwd: Path | None = None, timeout_s: int = 300):

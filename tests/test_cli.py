@@ -47,12 +47,12 @@ def _user_npz(path, rng, n=24):
 
 def test_end_to_end(tmp_path, rng):
     factory_kwargs = json.dumps({"name": "cnn", "n_channels": 4, "n_classes": 3, "n_time_steps": 64})
-    from edgeadapt.export.models import build_model
+    from edgeadapt.models import build_model
 
     weights = tmp_path / "weights.pt"
     torch.save(build_model("cnn", 4, 3, 64).state_dict(), weights)
     bundle = tmp_path / "bundle"
-    proc = cli("export", "edgeadapt.export.models:build_model", "--factory-kwargs", factory_kwargs,
+    proc = cli("export", "edgeadapt.models:build_model", "--factory-kwargs", factory_kwargs,
                "--input-shape", "4,64", "--weights", str(weights), "--out", str(bundle),
                "--policy", "head=full,blocks.3.conv=channels:0.25")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from edgeadapt.export.models import build_model
+from edgeadapt.models import build_model
 from edgeadapt.export.pretrain import PretrainResult, accuracy, predict_logits, pretrain
 
 N_CHANNELS, N_TIME_STEPS = 8, 256

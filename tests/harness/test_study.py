@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from edgeadapt.datasets import SyntheticConfig, load_watch, make_synthetic
-from edgeadapt.study import make_split, pretrain_source
+from edgeadapt.harness.study import make_split, pretrain_source
 
 
 def test_recordings_are_split_in_time_without_shared_samples():

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from .adapt_job import AdaptJobSpec, run_job_in_subprocess
-from .datasets import ChannelNormalizer, WindowDataset, few_shot_split
+from ..datasets import ChannelNormalizer, WindowDataset, few_shot_split
 
 __all__ = ["METHODS", "LABEL_FREE", "SplitData", "make_split", "sparse_policy", "method_recipe",
            "pretrain_source", "per_subject_accuracy", "save_target_data", "run_method"]
@@ -123,8 +123,8 @@ def pretrain_source(model_name: str, split: SplitData, *, epochs: int, seed: int
     """
     import torch
 
-    from .export.models import build_model
-    from .export.pretrain import pretrain
+    from ..models import build_model
+    from ..export.pretrain import pretrain
 
     tr = split.source_train
     torch.manual_seed(seed)
@@ -136,7 +136,7 @@ def pretrain_source(model_name: str, split: SplitData, *, epochs: int, seed: int
 
 def per_subject_accuracy(model, ds: WindowDataset) -> dict[int, float]:
     """Accuracy of a torch model on each subject's windows of ``ds``."""
-    from .export.pretrain import accuracy
+    from ..export.pretrain import accuracy
 
     return {int(s): accuracy(model, ds.X[ds.subject == s], ds.y[ds.subject == s]) for s in ds.subjects}
 
@@ -159,7 +159,7 @@ def run_method(method: str, model, model_name: str, split: SplitData, target_dat
     """
     import torch
 
-    from .export import OptimizerConfig, UpdatePolicy, export_bundle
+    from ..export import OptimizerConfig, UpdatePolicy, export_bundle
 
     recipe = method_recipe(method, model_name)
     if policy is not None:

@@ -1,4 +1,4 @@
-"""Tests for edgeadapt.export.models: shapes, naming, ONNX export, ORT parity, artifacts."""
+"""Tests for edgeadapt.models: shapes, naming, ONNX export, ORT parity, artifacts."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from edgeadapt.export.models import (
+from edgeadapt.models import (
     MODEL_NAMES,
     CNN1d,
     DecomposedLayerNorm,

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from edgeadapt.quickstart import QuickstartConfig, run_quickstart
+from edgeadapt.harness.quickstart import QuickstartConfig, run_quickstart
 
 
 def test_quickstart_small_end_to_end(tmp_path):

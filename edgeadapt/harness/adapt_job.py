@@ -1,6 +1,6 @@
 """A torch-free adaptation job in a process of its own: JSON spec in, JSON report out.
 
-``python -m edgeadapt.adapt_job SPEC.json REPORT.json`` forbids ``import torch`` before anything
+``python -m edgeadapt.harness.adapt_job SPEC.json REPORT.json`` forbids ``import torch`` before anything
 else is imported, then loads the bundle with the runner, evaluates, adapts, evaluates again,
 saves the adapted bundle and reports accuracy, peak memory and time. The quickstart and the
 benchmarks run every on-device step this way, so their figures come from a process that
@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .atomic import atomic_write_json
+from ..atomic import atomic_write_json
 
 __all__ = ["AdaptJobSpec", "run_job", "run_job_in_subprocess", "main"]
 
@@ -52,9 +52,9 @@ class AdaptJobSpec:
 
 def run_job(spec: AdaptJobSpec) -> dict[str, Any]:
     """Run the job in this process and return the report (see module docstring)."""
-    from .datasets import WindowDataset
+    from ..datasets import WindowDataset
     from .memory import measure_peak, rss_bytes
-    from .runtime import Runner
+    from ..runtime import Runner
 
     start = time.perf_counter()
     runner = Runner.load(spec.bundle, device=spec.device, threads=spec.threads)
@@ -96,7 +96,7 @@ def run_job_in_subprocess(spec: AdaptJobSpec, workdir: str | os.PathLike, timeou
     workdir = Path(workdir)
     spec_path, report_path = workdir / "adapt_job_spec.json", workdir / "adapt_job_report.json"
     spec_path.write_text(json.dumps(asdict(spec), indent=2))
-    proc = subprocess.run([sys.executable, "-m", "edgeadapt.adapt_job", str(spec_path), str(report_path)],
+    proc = subprocess.run([sys.executable, "-m", "edgeadapt.harness.adapt_job", str(spec_path), str(report_path)],
                           capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
         raise RuntimeError(f"the adaptation job failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     forbid_torch()
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
-        print("usage: python -m edgeadapt.adapt_job SPEC.json REPORT.json", file=sys.stderr)
+        print("usage: python -m edgeadapt.harness.adapt_job SPEC.json REPORT.json", file=sys.stderr)
         return 2
     spec = AdaptJobSpec(**json.loads(Path(args[0]).read_text()))
     atomic_write_json(args[1], run_job(spec))

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .atomic import atomic_write_json
-from .datasets import SyntheticConfig, WindowDataset, load_dataset, make_synthetic
+from ..atomic import atomic_write_json
+from ..datasets import SyntheticConfig, WindowDataset, load_dataset, make_synthetic
 from .study import make_split, per_subject_accuracy, pretrain_source, run_method, save_target_data
 
 __all__ = ["QuickstartConfig", "run_quickstart"]
@@ -120,7 +120,7 @@ def run_quickstart(cfg: QuickstartConfig, echo: Callable[[str], None] = log.info
     model = pretrain_source(cfg.model, split, epochs=pre_epochs, seed=cfg.seed)
     pretrain_s = time.perf_counter() - t0
     source_acc = per_subject_accuracy(model, split.source_val)
-    from .export.pretrain import accuracy
+    from ..export.pretrain import accuracy
 
     source_acc[target] = accuracy(model, split.target_eval.X, split.target_eval.y)
     known = [v for s, v in source_acc.items() if s != target]
