@@ -12,7 +12,7 @@ Example::
 from .exporter import export_bundle
 from .graph import UnsupportedOpError
 from .objectives import LOSSES, OPTIMIZERS, OptimizerConfig
-from .policy import Mode, Rule, UpdatePolicy
+from ..sched.policy import Mode, Rule, UpdatePolicy
 from .prepare import FrozenBatchNorm
 
 __all__ = [

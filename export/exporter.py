@@ -23,7 +23,7 @@ from ..atomic import staged_directory
 from ..bundle import Manifest, TensorSpec, sha256_file, write_manifest
 from .graph import MAX_IR_VERSION, UnsupportedOpError, module_of_node, to_onnx
 from .objectives import LOSSES, OptimizerConfig, loss_block, optimizer_block, use_torch_adamw
-from .policy import UpdatePolicy
+from ..sched.policy import UpdatePolicy
 from .prepare import channel_masks, prepare_model
 from .selfcheck import choose_session
 

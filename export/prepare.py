@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..bundle import ParameterEntry
-from .policy import Mode, UpdatePolicy, resolve_channels
+from ..sched.policy import Mode, UpdatePolicy, resolve_channels
 
 __all__ = ["FrozenBatchNorm", "ChannelSplit", "PreparedModel", "prepare_model", "channel_masks", "BATCHNORM_MODES"]
 

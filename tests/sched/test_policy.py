@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgeadapt.export.policy import Mode, Rule, UpdatePolicy, resolve_channels
+from edgeadapt.sched.policy import Mode, Rule, UpdatePolicy, resolve_channels
 
 
 def test_parse_and_round_trip():

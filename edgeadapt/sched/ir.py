@@ -1,0 +1,196 @@
+"""The scheduler's graph IR: what the planner knows about a model, as plain frozen values.
+
+A :class:`Graph` is a list of ops in execution order. Each op owns some parameters and carries
+per-window byte counts (its output, what its backward would keep) and FLOPs. The IR is built
+on the export side from the ONNX graph (``edgeadapt.export.sched_graph``) and on the server
+side from a torch module (``edgeadapt.server.trace``); the planner never sees either library.
+
+Granularity is up to the builder: an op may be one ONNX node or one whole block of a torch
+model. Byte counts are ints and are *per window* (one sample of the batch) unless a name says
+otherwise; a batch of ``b`` windows multiplies them by ``b``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Param", "Op", "Graph", "DTYPE_BYTES"]
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "bool": 1}
+
+
+def _check_nonneg(owner: str, **values: int) -> None:
+    for key, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{owner}: {key} must be an int >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter tensor of the source model.
+
+    Attributes:
+        name: the source (torch) parameter name, e.g. ``"blocks.3.conv.weight"``.
+        shape: full shape; axis 0 is the output-channel axis that channel subsets select on.
+        dtype_bytes: bytes per element (4 for float32).
+        module: the module path that owns it (``"blocks.3.conv"``), used by update policies.
+        module_type: the module's class name (``"Conv1d"``, ``"FrozenBatchNorm"``...).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype_bytes: int = 4
+    module: str = ""
+    module_type: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        _check_nonneg(f"param {self.name!r}", dtype_bytes=self.dtype_bytes, **{f"shape[{i}]": s for i, s in enumerate(self.shape)})
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def param_bytes(self) -> int:
+        return self.numel * self.dtype_bytes
+
+    @property
+    def out_channels(self) -> int:
+        """Length of axis 0 (1 for a scalar)."""
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def is_bias(self) -> bool:
+        return self.name.rsplit(".", 1)[-1] == "bias"
+
+
+@dataclass(frozen=True)
+class Op:
+    """One op (or block) in execution order.
+
+    Attributes:
+        name: unique within the graph.
+        kind: the op type (``"Conv"``, ``"Gemm"``, ``"Relu"``; ``"block"`` for a torch block).
+        params: names of the :class:`Param` this op owns (its trainable inputs).
+        inputs: names of the ops whose outputs it reads; ``()`` reads the model input.
+        output_bytes: bytes of its output per window.
+        saved_bytes: bytes its backward keeps per window when a gradient must flow through it
+            (inputs it re-reads, masks); 0 for ops whose backward needs nothing.
+        workspace_bytes: transient bytes per window while it runs (forward), freed after.
+        flops: forward FLOPs per window (backward is costed as 2x by the planner).
+        module: the module path it belongs to.
+    """
+
+    name: str
+    kind: str
+    params: tuple[str, ...] = ()
+    inputs: tuple[str, ...] = ()
+    output_bytes: int = 0
+    saved_bytes: int = 0
+    workspace_bytes: int = 0
+    flops: int = 0
+    module: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "params", tuple(self.params))
+        object.__setattr__(self, "inputs", tuple(self.inputs))
+        _check_nonneg(f"op {self.name!r}", output_bytes=self.output_bytes, saved_bytes=self.saved_bytes,
+                      workspace_bytes=self.workspace_bytes, flops=self.flops)
+
+
+@dataclass(frozen=True)
+class Graph:
+    """Ops in execution order plus the parameters they own.
+
+    Attributes:
+        ops: execution order; every ``inputs`` name refers to an earlier op.
+        params: every parameter; each is owned by exactly one op.
+        input_bytes: bytes of one input window.
+        name: a label for reports (the model's class name).
+    """
+
+    ops: tuple[Op, ...]
+    params: tuple[Param, ...]
+    input_bytes: int
+    name: str = "model"
+    _op_index: dict[str, int] = field(init=False, repr=False, compare=False)
+    _param_index: dict[str, Param] = field(init=False, repr=False, compare=False)
+    _owner: dict[str, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ops", tuple(self.ops))
+        object.__setattr__(self, "params", tuple(self.params))
+        _check_nonneg(f"graph {self.name!r}", input_bytes=self.input_bytes)
+        if not self.ops:
+            raise ValueError(f"graph {self.name!r} has no ops")
+        op_index: dict[str, int] = {}
+        for i, op in enumerate(self.ops):
+            if op.name in op_index:
+                raise ValueError(f"graph {self.name!r}: op name {op.name!r} appears twice")
+            for src in op.inputs:
+                if src not in op_index:
+                    raise ValueError(f"graph {self.name!r}: op {op.name!r} reads {src!r}, which is not an earlier op")
+            op_index[op.name] = i
+        params = {p.name: p for p in self.params}
+        if len(params) != len(self.params):
+            raise ValueError(f"graph {self.name!r}: a parameter name appears twice")
+        owner: dict[str, int] = {}
+        for i, op in enumerate(self.ops):
+            for p in op.params:
+                if p not in params:
+                    raise ValueError(f"graph {self.name!r}: op {op.name!r} owns unknown parameter {p!r}")
+                if p in owner:
+                    raise ValueError(f"graph {self.name!r}: parameter {p!r} is owned by two ops")
+                owner[p] = i
+        unowned = sorted(set(params) - set(owner))
+        if unowned:
+            raise ValueError(f"graph {self.name!r}: parameters owned by no op: {unowned}")
+        object.__setattr__(self, "_op_index", op_index)
+        object.__setattr__(self, "_param_index", params)
+        object.__setattr__(self, "_owner", owner)
+
+    def op_index(self, name: str) -> int:
+        """Position of op ``name`` in execution order."""
+        try:
+            return self._op_index[name]
+        except KeyError:
+            raise KeyError(f"graph {self.name!r} has no op {name!r}") from None
+
+    def param(self, name: str) -> Param:
+        try:
+            return self._param_index[name]
+        except KeyError:
+            raise KeyError(f"graph {self.name!r} has no parameter {name!r}") from None
+
+    def owner_index(self, param_name: str) -> int:
+        """Position of the op that owns ``param_name``."""
+        self.param(param_name)
+        return self._owner[param_name]
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(p.param_bytes for p in self.params)
+
+    # ---- JSON ------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "input_bytes": self.input_bytes,
+            "params": [{"name": p.name, "shape": list(p.shape), "dtype_bytes": p.dtype_bytes,
+                        "module": p.module, "module_type": p.module_type} for p in self.params],
+            "ops": [{"name": o.name, "kind": o.kind, "params": list(o.params), "inputs": list(o.inputs),
+                     "output_bytes": o.output_bytes, "saved_bytes": o.saved_bytes,
+                     "workspace_bytes": o.workspace_bytes, "flops": o.flops, "module": o.module}
+                    for o in self.ops],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Graph:
+        return cls(ops=tuple(Op(**o) for o in d["ops"]),
+                   params=tuple(Param(**{**p, "shape": tuple(p["shape"])}) for p in d["params"]),
+                   input_bytes=d["input_bytes"], name=d.get("name", "model"))
