@@ -53,7 +53,7 @@ class AdaptJobSpec:
 def run_job(spec: AdaptJobSpec) -> dict[str, Any]:
     """Run the job in this process and return the report (see module docstring)."""
     from ..datasets import WindowDataset
-    from .memory import measure_peak, rss_bytes
+    from ..memory import measure_peak, rss_bytes
     from ..runtime import Runner
 
     start = time.perf_counter()
