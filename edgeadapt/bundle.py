@@ -8,6 +8,9 @@ Torch-free: both the exporter and the on-device runner use it. A bundle is a dir
     optimizer_model.onnx   the optimizer update
     checkpoint[.stepN]     parameter values (+ optimizer state once adapted)
     masks.npz              per-parameter bool masks over output channels (True = may change)
+    prefix_model.onnx      optional: the frozen prefix up to the plan's cut as a plain inference
+                           model (``input`` -> ``features``); the training and eval models then
+                           take ``features`` as their input
 
 The manifest names the current checkpoint file. Updating a bundle in place writes a new
 checkpoint file, then replaces the manifest atomically, then deletes the old checkpoint, so a
@@ -45,6 +48,8 @@ __all__ = [
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 FILE_ROLES = ("training_model", "eval_model", "optimizer_model", "checkpoint", "masks")
+# Present iff the plan caches the frozen prefix's features (plan.cut >= 0 and plan.cache_features).
+OPTIONAL_FILE_ROLES = ("prefix_model",)
 DTYPES = ("float32", "float64", "int64", "int32")
 
 
@@ -121,6 +126,10 @@ MANIFEST_SCHEMA: dict[str, Any] = {
             "required": ["enable_mem_pattern"],
             "properties": {"enable_mem_pattern": {"type": "boolean"}},
         },
+        # Optional (bundles written before the scheduler lack them): the sched Plan.to_dict() plus
+        # "predicted_peak_bytes", and the sched Graph.to_dict() of the whole exported model.
+        "plan": {"type": "object", "required": ["plan_version", "params", "cut"]},
+        "graph": {"type": "object", "required": ["ops", "params", "input_bytes"]},
         "state": {
             "type": "object",
             "required": ["epoch", "step"],
@@ -207,6 +216,8 @@ class Manifest:
     state: dict[str, Any] = field(default_factory=lambda: {"epoch": 0, "step": 0})
     session: dict[str, Any] = field(default_factory=lambda: {"enable_mem_pattern": True})
     backend: str = "ort-training"
+    plan: dict[str, Any] | None = None
+    graph: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -226,6 +237,8 @@ class Manifest:
             "versions": dict(self.versions),
             "session": dict(self.session),
             "state": dict(self.state),
+            **({"plan": self.plan} if self.plan is not None else {}),
+            **({"graph": self.graph} if self.graph is not None else {}),
         }
 
     @classmethod
@@ -250,7 +263,14 @@ class Manifest:
             state=d["state"],
             session=d["session"],
             backend=d["backend"],
+            plan=d.get("plan"),
+            graph=d.get("graph"),
         )
+
+    @property
+    def has_prefix(self) -> bool:
+        """Whether the bundle runs a frozen prefix model in front of its training graphs."""
+        return "prefix_model" in self.files
 
     @property
     def trainable_numel(self) -> int:
