@@ -1,5 +1,7 @@
 """Torch reference models, shared by the exporter, the server trainer and the benchmarks."""
 
+from .gpt import GPT_PRESETS, GPTConfig, GPTDecoder, build_gpt, token_cross_entropy
+
 from .reference import (
     MODEL_NAMES,
     CNN1d,
@@ -11,6 +13,11 @@ from .reference import (
 )
 
 __all__ = [
+    "GPT_PRESETS",
+    "GPTConfig",
+    "GPTDecoder",
+    "build_gpt",
+    "token_cross_entropy",
     "MODEL_NAMES",
     "CNN1d",
     "DecomposedLayerNorm",
