@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
-from onnxruntime.capi import _pybind_state as C
 
 from ..bundle import Manifest
 from .device import open_on_device
+from .ort_import import pybind_state as C  # torch-free import of onnxruntime's pybind layer
 
 __all__ = ["TrainingBackend", "OrtTrainingBackend"]
 
