@@ -174,6 +174,12 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from .server.train_cli import cmd_train as run
+
+    return run(args, echo=print)
+
+
 # ---- parser ---------------------------------------------------------------------------
 def _add_data(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True,
@@ -187,6 +193,41 @@ def _add_device(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                    help="auto: CUDA if it can run the session, else CPU with a warning (default)")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: ONNX Runtime's choice)")
+
+
+def _add_train(p: argparse.ArgumentParser) -> None:
+    # the options of edgeadapt.server.train_cli, here so that parsing imports no torch
+    p.add_argument("--model", required=True,
+                   choices=("gpt-nano", "gpt-mini", "gpt-small", "cnn", "mobilenet", "transformer"),
+                   help="a GPT preset or a biosignal reference model")
+    p.add_argument("--data", "--dataset", dest="data", default="synthetic",
+                   help="GPT: 'synthetic' (a seeded token stream) or a .npy of int token ids; "
+                        "biosignal models: synthetic | watch | a .npz/.csv file (default: synthetic)")
+    p.add_argument("--steps", type=int, required=True, help="optimizer steps in all (a resumed run continues to it)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="global batch (sequences or windows over all ranks; default 8 for GPT, 64 otherwise)")
+    p.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate")
+    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW decoupled weight decay")
+    p.add_argument("--seed", type=int, default=0, help="seeds the initialisation and the data order")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="compute device; auto: CUDA when available (each torchrun rank takes its LOCAL_RANK GPU)")
+    p.add_argument("--memory-budget", default=None,
+                   help="bytes the trainer may hold on the compute device, e.g. 2GiB (default: no limit)")
+    p.add_argument("--offload", choices=("host", "disk", "none"), default="host",
+                   help="where the master weights and optimizer state live (default: host)")
+    p.add_argument("--recompute", choices=("auto", "on", "off"), default="auto",
+                   help="recompute activations in the backward pass instead of keeping them")
+    p.add_argument("--checkpoint-dir", required=True, help="run directory: checkpoints, offload state, weights.pt")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    p.add_argument("--checkpoint-every", type=int, default=0,
+                   help="steps between checkpoints (default 0: only at the end)")
+    p.add_argument("--hold-out-subject", type=int, default=None,
+                   help="biosignal data: leave this subject out and write its windows to held_out.npz")
+    p.add_argument("--context-len", type=int, default=None, help="GPT: tokens per sequence (default: the preset's)")
+    p.add_argument("--n-layers", type=int, default=None, help="GPT: decoder blocks (default: the preset's)")
+    p.add_argument("--d-model", type=int, default=None, help="GPT: width (default: the preset's)")
+    p.add_argument("--vocab-size", type=int, default=None, help="GPT: vocabulary (default: the preset's)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -254,6 +295,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/quickstart", help="report folder")
     p.add_argument("--small", action="store_true", help="a tiny setting for smoke tests")
     p.set_defaults(func=cmd_quickstart)
+
+    p = sub.add_parser("train", help="train every parameter on the server, streaming state from host or disk",
+                       description="Full training with the streaming/offload trainer; under torchrun, data parallel.")
+    _add_train(p)
+    p.set_defaults(func=cmd_train)
     return parser
 
 

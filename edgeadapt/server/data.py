@@ -9,6 +9,8 @@ sees — the rows are split in rank order.
 * :class:`WindowSource` — windows of an :mod:`edgeadapt.datasets` dataset (synthetic, watch,
   ``.npz``, ``.csv``): each epoch is a seeded permutation; an epoch drops its last incomplete
   global batch.
+* :class:`TokenArray` — next-token prediction on the user's token ids (a ``.npy`` of ints):
+  every global batch is drawn at seeded random offsets.
 * :class:`TokenStream` — next-token prediction on an endless synthetic stream: sequences are
   walks of a seeded sparse Markov chain over the vocabulary (each token has a few likely
   successors), so a language model's loss falls from ``log(vocab)`` towards the chain's
@@ -25,7 +27,7 @@ import torch
 
 from ..datasets import WindowDataset, load_dataset
 
-__all__ = ["TokenStream", "WindowSource", "load_windows", "shard_rows"]
+__all__ = ["TokenArray", "TokenStream", "WindowSource", "load_windows", "shard_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +172,67 @@ class TokenStream:
         """What a checkpoint records to recognise the same data stream."""
         return {"kind": "tokens", "vocab_size": self.vocab_size, "context_len": self.context_len,
                 "global_batch_size": self.global_batch_size, "seed": self.seed, "branching": self.branching}
+
+
+@dataclass(frozen=True)
+class TokenArray:
+    """Sequences cut at seeded random offsets from one long array of token ids.
+
+    Attributes:
+        tokens: int64 token ids ``(n_tokens,)``.
+        context_len: Tokens per training sequence (inputs; targets are shifted by one).
+        global_batch_size: Sequences per optimizer step over all ranks.
+        seed: Seeds the offsets of every batch.
+        rank: This process's rank.
+        world_size: Number of data-parallel processes.
+    """
+
+    tokens: np.ndarray
+    context_len: int
+    global_batch_size: int
+    seed: int = 0
+    rank: int = 0
+    world_size: int = 1
+    unit: str = field(default="tokens", init=False)
+
+    def __post_init__(self) -> None:
+        _check_positive(context_len=self.context_len, global_batch_size=self.global_batch_size)
+        shard_rows(self.global_batch_size, self.rank, self.world_size)
+        if self.tokens.ndim != 1 or not np.issubdtype(self.tokens.dtype, np.integer):
+            raise ValueError(f"token ids must be a 1-D integer array, got {self.tokens.dtype} {self.tokens.shape}")
+        if self.tokens.size <= self.context_len + 1:
+            raise ValueError(f"{self.tokens.size} tokens are too few for sequences of {self.context_len} "
+                             f"(+1 target); give more data or a smaller --context-len")
+        object.__setattr__(self, "tokens", np.ascontiguousarray(self.tokens, dtype=np.int64))
+
+    @classmethod
+    def load(cls, path: str, context_len: int, global_batch_size: int, *, vocab_size: int, **kwargs) -> TokenArray:
+        """Reads a ``.npy`` of integer token ids (no pickle) and checks them against ``vocab_size``."""
+        if not str(path).endswith(".npy"):
+            raise ValueError(f"token data must be 'synthetic' or a .npy of integer ids, got {path!r}")
+        tokens = np.load(path, allow_pickle=False)
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+            raise ValueError(f"{path}: token ids span [{tokens.min()}, {tokens.max()}] but the model's vocabulary "
+                             f"is {vocab_size}; pass --vocab-size {int(tokens.max()) + 1} or more")
+        return cls(tokens.reshape(-1), context_len, global_batch_size, **kwargs)
+
+    @property
+    def items_per_step(self) -> int:
+        """Target tokens this rank predicts per step."""
+        return self.global_batch_size // self.world_size * self.context_len
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's inputs and next-token targets of global batch ``step``, each ``(rows, context_len)``."""
+        starts = np.random.default_rng([self.seed, int(step)]).integers(
+            0, self.tokens.size - self.context_len, size=self.global_batch_size)
+        starts = starts[shard_rows(self.global_batch_size, self.rank, self.world_size)]
+        seq = torch.from_numpy(self.tokens[starts[:, None] + np.arange(self.context_len + 1)])
+        return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+    def describe(self) -> dict:
+        """What a checkpoint records to recognise the same data stream."""
+        return {"kind": "token_array", "n_tokens": int(self.tokens.size), "context_len": self.context_len,
+                "global_batch_size": self.global_batch_size, "seed": self.seed}
 
 
 def load_windows(dataset: str, *, hold_out_subject: int | None = None,

@@ -105,8 +105,8 @@ def _tensors(grads: Mapping[str, torch.Tensor | None] | Iterable[torch.Tensor | 
 
 def allreduce_gradients(block_name: str,
                         grads: Mapping[str, torch.Tensor | None] | Iterable[torch.Tensor | None],
-                        process_group: dist.ProcessGroup | None = None) -> None:
-    """Averages one block's gradients over the ranks of ``process_group``, in place.
+                        group: dist.ProcessGroup | None = None) -> None:
+    """Averages one block's gradients over the ranks of ``group``, in place.
 
     The block's gradients are flattened into one bucket, summed with a single
     ``all_reduce`` and divided by the world size, then copied back into the given tensors.
@@ -119,8 +119,8 @@ def allreduce_gradients(block_name: str,
         block_name: The block the gradients belong to (named in errors and logs).
         grads: The block's gradients, as a ``{name: tensor}`` mapping or a sequence; all on
             one device and of one dtype.
-        process_group: The group to average over; ``None`` is the default group. Without an
-            initialised group (or with one rank) this is a no-op.
+        group: The process group to average over; ``None`` is the default group. Without
+            an initialised group (or with one rank) this is a no-op.
 
     Raises:
         ValueError: If the gradients mix devices or dtypes.
@@ -128,7 +128,7 @@ def allreduce_gradients(block_name: str,
     tensors = _tensors(grads)
     if not tensors or not (dist.is_available() and dist.is_initialized()):
         return
-    world_size = dist.get_world_size(process_group)
+    world_size = dist.get_world_size(group)
     if world_size == 1:
         return
     kinds = {(t.device, t.dtype) for t in tensors}
@@ -136,7 +136,7 @@ def allreduce_gradients(block_name: str,
         raise ValueError(f"block {block_name!r}: gradients on several devices/dtypes {sorted(map(str, kinds))}; "
                          f"move them to one device and dtype before reducing")
     bucket = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1).clone()
-    dist.all_reduce(bucket, op=dist.ReduceOp.SUM, group=process_group)
+    dist.all_reduce(bucket, op=dist.ReduceOp.SUM, group=group)
     bucket.div_(world_size)
     offset = 0
     with torch.no_grad():
@@ -147,27 +147,27 @@ def allreduce_gradients(block_name: str,
     logger.debug("block %s: averaged %d gradient elements over %d ranks", block_name, offset, world_size)
 
 
-def broadcast_parameters(model: nn.Module, src: int = 0, process_group: dist.ProcessGroup | None = None) -> None:
+def broadcast_parameters(model: nn.Module, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
     """Copies rank ``src``'s parameters and buffers to every rank (start every replica equal).
 
     One broadcast per tensor, in ``state_dict`` order; a no-op without an initialised group.
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) == 1:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return
     with torch.no_grad():
         for tensor in model.state_dict().values():
-            dist.broadcast(tensor, src=src, group=process_group)
+            dist.broadcast(tensor, src=src, group=group)
 
 
-def gather_rng_states(process_group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
+def gather_rng_states(group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
     """Every rank's CPU torch RNG state, gathered on every rank (rank order).
 
     Lets one rank write a checkpoint that restores each rank's random stream (dropout).
     Without a process group it returns this process's state alone.
     """
     state = torch.get_rng_state()
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) == 1:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return [state]
-    out = [torch.empty_like(state) for _ in range(dist.get_world_size(process_group))]
-    dist.all_gather(out, state, group=process_group)
+    out = [torch.empty_like(state) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, state, group=group)
     return out

@@ -1,0 +1,245 @@
+"""Server training with state offloaded to host memory or disk, against in-memory training.
+
+What it measures, in one invocation on one GPT-style decoder (``build_gpt``; the shape is
+printed) whose parameters + gradients + AdamW state are at least 8x the memory budget:
+
+1. For each of *in-memory* (plain ``torch.optim.AdamW``, foreach, everything resident),
+   *host* and *disk* (``edgeadapt.server.Trainer(offload=..., memory_budget=...)``), a fresh
+   process builds the same seeded model, runs one warm-up step, then ``--steps`` timed steps
+   on the same synthetic token batches. Per mode:
+
+   * tokens/s over the timed steps, and the ratio to in-memory in the same invocation (the
+     machine is shared: quote ratios, not absolute speeds);
+   * the trainer's tracked peak of the compute tier (``Trainer.tracked_peak_bytes``: every
+     byte the executor reserves for weights, prefetched weights, gradients, staged optimizer
+     state and activations) next to the budget;
+   * process peak RSS over the whole run (VmHWM) and anonymous RSS (sampled high-water mark of
+     RssAnon), both absolute and as the delta over the same process right after the model
+     and trainer were built, before the first step (the *loaded baseline*). On this CPU
+     machine the host tier *is* process memory, so host-tier RSS holds the whole state; the
+     disk tier keeps it in files the executor reads and writes explicitly.
+
+2. Planner: a 48-block GPT (built on the meta device, so no memory is allocated) is traced
+   into a block graph and planned for a budget; the time of ``trace_graph`` and of
+   ``plan_offload`` (median of repeats) and the plan (prefetch depth, recomputed blocks,
+   predicted peak and where) are reported.
+
+Threads: ``torch.set_num_threads(--threads)`` in every worker (printed). MiB = 2**20 bytes.
+Results: a table on stdout and JSON at ``--out`` (default
+``benchmarks/results/server_offload.json``).
+
+Usage::
+
+    .venv/bin/python benchmarks/server_offload.py                 # about 2-3 minutes on 2 cores
+    .venv/bin/python benchmarks/server_offload.py --steps 3 --n-layers 16   # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MIB = 2 ** 20
+
+
+def _gpt_kwargs(args: argparse.Namespace) -> dict:
+    return dict(vocab_size=args.vocab_size, context_len=args.context_len, d_model=args.d_model,
+                n_layers=args.n_layers, n_heads=args.n_heads)
+
+
+# ---- worker: one mode in a fresh process ------------------------------------------------
+def worker(args: argparse.Namespace) -> dict:
+    import torch
+
+    from edgeadapt.memory import AnonPeakSampler, peak_rss_bytes, reset_peak_rss, status_fields
+    from edgeadapt.models import build_gpt, token_cross_entropy
+    from edgeadapt.server.data import TokenStream
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = build_gpt("gpt-nano", **_gpt_kwargs(args))
+    data = TokenStream(args.vocab_size, args.context_len, args.batch_size, seed=1)
+    batches = [data.batch(i) for i in range(args.steps + 1)]
+    n_params = sum(p.numel() for p in model.parameters())
+    result: dict = {"mode": args.worker, "n_params": n_params}
+    with tempfile.TemporaryDirectory(prefix="offload-", dir=args.offload_dir) as tmp:
+        if args.worker == "memory":
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=True)
+
+            def step(x, y):
+                opt.zero_grad(set_to_none=True)
+                loss = token_cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+                return float(loss.detach())
+            trainer = None
+        else:
+            from edgeadapt.export import OptimizerConfig
+            from edgeadapt.server import Trainer
+
+            trainer = Trainer(model, loss=token_cross_entropy,
+                              optimizer=OptimizerConfig("adamw", lr=1e-3, weight_decay=0.01),
+                              memory_budget=args.budget, offload=args.worker, offload_dir=Path(tmp) / "state",
+                              device="cpu", recompute="auto", example_input=batches[0][0])
+            del model
+
+            def step(x, y):
+                return float(trainer.step(x, y))
+        base = status_fields("VmRSS", "RssAnon")
+        reset_peak_rss()
+        with AnonPeakSampler(interval_s=0.002) as anon:
+            t0 = time.perf_counter()
+            first_loss = step(*batches[0])
+            warm_s = time.perf_counter() - t0
+            times = []
+            for x, y in batches[1:]:
+                t0 = time.perf_counter()
+                last_loss = step(x, y)
+                times.append(time.perf_counter() - t0)
+        result.update(
+            first_loss=first_loss, last_loss=last_loss, warmup_s=warm_s, step_s=times,
+            tokens_per_s=args.batch_size * args.context_len * len(times) / sum(times),
+            baseline_rss_bytes=base["VmRSS"], baseline_anon_bytes=base["RssAnon"],
+            peak_rss_bytes=peak_rss_bytes(), peak_anon_bytes=anon.peak_bytes, anon_samples=anon.samples)
+        result["peak_rss_delta_bytes"] = result["peak_rss_bytes"] - base["VmRSS"]
+        result["peak_anon_delta_bytes"] = max(0, anon.peak_bytes - base["RssAnon"])
+        if trainer is not None:
+            result["tracked_peak_bytes"] = int(trainer.tracked_peak_bytes)
+            residency = trainer.residency()
+            result["residency"] = residency if isinstance(residency, dict) else str(residency)
+            close = getattr(trainer, "close", None)
+            if close:
+                close()
+    return result
+
+
+def _run_worker(mode: str, args: argparse.Namespace) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = Path(f.name)
+    cmd = [sys.executable, __file__, "--worker", mode, "--json", str(out), "--steps", str(args.steps),
+           "--threads", str(args.threads), "--budget", args.budget, "--batch-size", str(args.batch_size),
+           "--vocab-size", str(args.vocab_size), "--context-len", str(args.context_len),
+           "--d-model", str(args.d_model), "--n-layers", str(args.n_layers), "--n-heads", str(args.n_heads)]
+    if args.offload_dir:
+        cmd += ["--offload-dir", args.offload_dir]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode:
+        raise RuntimeError(f"{mode} worker failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    try:
+        return json.loads(out.read_text())
+    finally:
+        out.unlink(missing_ok=True)
+
+
+# ---- planner ----------------------------------------------------------------------------
+def planner_figures(args: argparse.Namespace) -> dict:
+    import torch
+
+    from edgeadapt.models import build_gpt
+    from edgeadapt.sched.offload import plan_offload
+    from edgeadapt.sched.plan import parse_bytes
+    from edgeadapt.server.trace import trace_graph
+
+    kwargs = dict(vocab_size=args.vocab_size, context_len=args.context_len, d_model=args.d_model,
+                  n_layers=48 - 3, n_heads=args.n_heads)     # embed + 45 decoder blocks + norm + head
+    with torch.device("meta"):
+        model = build_gpt("gpt-nano", **kwargs)
+    example = torch.zeros(args.batch_size, args.context_len, dtype=torch.long)
+    t0 = time.perf_counter()
+    graph = trace_graph(model, example)
+    trace_s = time.perf_counter() - t0
+    budget = parse_bytes(args.budget)
+    plan_times, plan = [], None
+    for _ in range(args.plan_repeats):
+        t0 = time.perf_counter()
+        plan = plan_offload(graph, budget, batch_windows=args.batch_size, tier="disk", recompute="auto")
+        plan_times.append(time.perf_counter() - t0)
+    recomputed = [name for name, action in plan.activations if str(getattr(action, "value", action)) == "recompute"]
+    state_bytes = 16 * sum(p.numel() for p in model.parameters())
+    return {"n_blocks": len(graph.ops), "model": kwargs, "state_bytes": state_bytes, "budget_bytes": budget,
+            "trace_s": trace_s, "plan_s_median": statistics.median(plan_times), "plan_repeats": args.plan_repeats,
+            "prefetch_depth": plan.prefetch_depth, "recomputed_blocks": len(recomputed),
+            "predicted_peak_bytes": plan.predicted.peak_bytes, "predicted_peak_where": plan.predicted.where,
+            "plan": plan.to_dict() if hasattr(plan, "to_dict") else None}
+
+
+# ---- main -------------------------------------------------------------------------------
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=4, help="timed steps per mode (after one warm-up step)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--budget", default="40MiB", help="compute-tier memory budget of the offloaded runs")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--vocab-size", type=int, default=512)
+    p.add_argument("--context-len", type=int, default=64)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--n-layers", type=int, default=24)
+    p.add_argument("--n-heads", type=int, default=4)
+    p.add_argument("--plan-repeats", type=int, default=20)
+    p.add_argument("--offload-dir", default=None, help="folder for the disk tier's files (default: the temp dir)")
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "server_offload.json"))
+    p.add_argument("--worker", choices=("memory", "host", "disk"), help=argparse.SUPPRESS)
+    p.add_argument("--json", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        Path(args.json).write_text(json.dumps(worker(args)))
+        return 0
+
+    from edgeadapt.models import GPTConfig
+    from edgeadapt.sched.plan import parse_bytes
+
+    cfg = GPTConfig(**_gpt_kwargs(args))
+    budget = parse_bytes(args.budget)
+    state = 16 * cfg.n_params             # fp32 weights + gradients + two AdamW moments
+    print(f"model: GPT {cfg.n_layers} blocks, d_model {cfg.d_model}, vocab {cfg.vocab_size}, context "
+          f"{cfg.context_len}: {cfg.n_params:,} parameters; params+grads+AdamW state {state / MIB:.1f} MiB "
+          f"= {state / budget:.1f}x the budget of {budget / MIB:.1f} MiB")
+    print(f"batch {args.batch_size} x {args.context_len} tokens, {args.steps} timed steps after 1 warm-up, "
+          f"torch threads {args.threads}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
+    started = time.perf_counter()
+    runs = {mode: _run_worker(mode, args) for mode in ("memory", "host", "disk")}
+    planner = planner_figures(args)
+    base = runs["memory"]["tokens_per_s"]
+    rows = []
+    print()
+    print("| mode | tokens/s | vs in-memory | tracked peak / budget | peak RSS (delta) | peak anon RSS (delta) | loss first -> last |")
+    print("|---|---|---|---|---|---|---|")
+    for mode, r in runs.items():
+        tracked = (f"{r['tracked_peak_bytes'] / MIB:.1f} / {budget / MIB:.1f} MiB" if "tracked_peak_bytes" in r
+                   else "(everything resident)")
+        row = {"mode": mode, "tokens_per_s": r["tokens_per_s"], "ratio_vs_memory": r["tokens_per_s"] / base}
+        rows.append(row)
+        print(f"| {mode} | {r['tokens_per_s']:,.0f} | {row['ratio_vs_memory']:.2f}x | {tracked} | "
+              f"{r['peak_rss_bytes'] / MIB:.0f} MiB ({r['peak_rss_delta_bytes'] / MIB:+.0f}) | "
+              f"{r['peak_anon_bytes'] / MIB:.0f} MiB ({r['peak_anon_delta_bytes'] / MIB:+.0f}) | "
+              f"{r['first_loss']:.3f} -> {r['last_loss']:.3f} |")
+    print()
+    print(f"planner, {planner['n_blocks']}-block GPT ({planner['state_bytes'] / MIB:.0f} MiB of state, disk tier, "
+          f"budget {planner['budget_bytes'] / MIB:.0f} MiB): trace {planner['trace_s'] * 1e3:.0f} ms, "
+          f"plan_offload {planner['plan_s_median'] * 1e3:.1f} ms (median of {planner['plan_repeats']}); "
+          f"prefetch depth {planner['prefetch_depth']}, {planner['recomputed_blocks']} blocks recomputed, "
+          f"predicted peak {planner['predicted_peak_bytes'] / MIB:.1f} MiB at {planner['predicted_peak_where']}")
+    total_s = time.perf_counter() - started
+    print(f"benchmark time {total_s:.0f} s")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"config": {**vars(args), "n_params": cfg.n_params, "state_bytes": state,
+                                          "budget_bytes": budget, "state_over_budget": state / budget},
+                               "runs": runs, "table": rows, "planner": planner, "total_s": total_s},
+                              indent=2, default=str) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,280 @@
+"""``edgeadapt train``: full training of a reference model with the streaming/offload trainer.
+
+One process, or one per rank under ``torchrun`` (data parallel: every rank runs its own
+trainer on its shard of each global batch, gradients averaged with torch.distributed). The
+run directory (``--checkpoint-dir``) holds::
+
+    checkpoints/       the trainer's atomic, resumable checkpoints (model, optimizer, step, RNG,
+                       and this run's options and per-rank random streams as the checkpoint's extra)
+    state/rank0/       the offload tier's files (``--offload disk``)
+    weights.pt         the final state_dict, for ``edgeadapt export --weights``
+    model.json         how to rebuild the model (factory and keyword arguments)
+    held_out.npz       the windows of ``--hold-out-subject`` (a "new person" to adapt to)
+
+Multi-rank checkpoints: every rank holds an identical replica (same start, same averaged
+gradients, same optimizer arithmetic), so after a barrier rank 0 alone writes the checkpoint
+with the trainer's single-process atomic writer; each rank's CPU random stream is gathered
+with a collective and stored in it. torch.distributed.checkpoint would write identical bytes
+once per rank and offers no atomic switch between complete checkpoints.
+
+The data position is the step number: :mod:`edgeadapt.server.data` sources address batches
+by step, so a resumed run sees exactly the batches an uninterrupted run sees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..atomic import atomic_path, atomic_write_json
+from ..models import GPT_PRESETS, build_gpt, build_model
+from ..sched.plan import format_bytes, parse_bytes
+from .data import TokenArray, TokenStream, WindowSource, load_windows
+from .distributed import DistContext, broadcast_parameters, gather_rng_states, init_from_env, shutdown
+
+__all__ = ["cmd_train", "load_trained"]
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINTS = "checkpoints"
+
+
+# ---- model and data ---------------------------------------------------------------------
+def _build(args: argparse.Namespace, ctx: DistContext) -> tuple[torch.nn.Module, Any, dict, Any]:
+    """(model, data source, model spec for model.json, loss) for the arguments, seeded."""
+    batch = args.batch_size
+    if args.model in GPT_PRESETS:
+        overrides = {k: v for k, v in (("context_len", args.context_len), ("n_layers", args.n_layers),
+                                       ("d_model", args.d_model), ("vocab_size", args.vocab_size)) if v is not None}
+        torch.manual_seed(args.seed)
+        model = build_gpt(args.model, **overrides)
+        cfg = model.config
+        batch = batch or 8
+        if args.data == "synthetic":
+            source = TokenStream(cfg.vocab_size, cfg.context_len, batch, seed=args.seed,
+                                 rank=ctx.rank, world_size=ctx.world_size)
+        else:
+            source = TokenArray.load(args.data, cfg.context_len, batch, seed=args.seed,
+                                     rank=ctx.rank, world_size=ctx.world_size, vocab_size=cfg.vocab_size)
+        spec = {"factory": "edgeadapt.models:build_gpt", "kwargs": {"name": args.model, **overrides},
+                "config": cfg.to_dict()}
+        return model, source, spec, "cross_entropy"     # the trainer's cross-entropy flattens tokens
+    if args.data.endswith(".npy"):
+        raise ValueError(f"--model {args.model} trains on labelled windows: give --data synthetic|watch|FILE.npz|FILE.csv")
+    train, held_out = load_windows(args.data, hold_out_subject=args.hold_out_subject)
+    if held_out is not None and ctx.is_main:
+        out = Path(args.checkpoint_dir) / "held_out.npz"
+        held_out.save_npz(out)
+        logger.info("wrote subject %d's %d windows to %s", args.hold_out_subject, len(held_out.X), out)
+    n_channels, n_time_steps = int(train.X.shape[1]), int(train.X.shape[2])
+    kwargs = {"name": args.model, "n_channels": n_channels, "n_classes": int(train.n_classes),
+              "n_time_steps": n_time_steps}
+    torch.manual_seed(args.seed)
+    model = build_model(**kwargs)
+    source = WindowSource(train.X, train.y, batch or 64, seed=args.seed, rank=ctx.rank, world_size=ctx.world_size)
+    spec = {"factory": "edgeadapt.models:build_model", "kwargs": kwargs,
+            "input_shape": [n_channels, n_time_steps]}
+    return model, source, spec, "cross_entropy"
+
+
+def _device(args: argparse.Namespace, ctx: DistContext) -> str:
+    if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was requested but torch sees no CUDA device "
+                           "(install a CUDA build of torch, or use --device auto or cpu)")
+    return f"cuda:{ctx.local_rank % torch.cuda.device_count()}"
+
+
+def _run_config(args: argparse.Namespace, spec: dict, source: Any) -> dict:
+    """What must match for a checkpoint to be resumed by this run (the world size need not:
+    the global batch of a step is the same for any number of ranks)."""
+    return {"model": spec["kwargs"], "data": source.describe(),
+            "optimizer": {"name": "adamw", "lr": args.lr, "weight_decay": args.weight_decay}}
+
+
+def _check_same_run(saved: dict, now: dict, where: Path) -> None:
+    diffs = [f"{key}: checkpoint {saved.get(key)!r}, now {now[key]!r}" for key in now if saved.get(key) != now[key]]
+    if diffs:
+        raise ValueError(f"the checkpoint in {where} is of another run ({'; '.join(diffs)}); "
+                         f"start a new --checkpoint-dir or pass the same options as that run")
+
+
+# ---- checkpoints ------------------------------------------------------------------------
+def _has_checkpoint(run_dir: Path) -> bool:
+    return (run_dir / CHECKPOINTS / "latest.json").is_file()
+
+
+def _save_checkpoint(trainer, run_dir: Path, run_config: dict, ctx: DistContext) -> None:
+    """Gathers every rank's RNG state; after a barrier rank 0 writes the checkpoint; barrier."""
+    rng_states = gather_rng_states()           # a collective: every rank takes part
+    _barrier(ctx)
+    if ctx.is_main:
+        extra = {"run": run_config,
+                 "rank_rng_b64": [base64.b64encode(s.numpy().tobytes()).decode() for s in rng_states]}
+        path = trainer.save_checkpoint(run_dir / CHECKPOINTS, extra=extra)
+        logger.info("checkpoint at step %d: %s", trainer.step_count, path)
+    _barrier(ctx)
+
+
+def _restore_rank_rng(extra: dict, ctx: DistContext) -> None:
+    states = extra.get("rank_rng_b64", [])
+    if ctx.rank < len(states):
+        raw = np.frombuffer(base64.b64decode(states[ctx.rank]), dtype=np.uint8).copy()
+        torch.set_rng_state(torch.from_numpy(raw))
+
+
+def _barrier(ctx: DistContext) -> None:
+    if ctx.is_distributed:
+        torch.distributed.barrier()
+
+
+def _save_weights(model: torch.nn.Module, run_dir: Path, spec: dict) -> Path:
+    path = run_dir / "weights.pt"
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    with atomic_path(path) as tmp:
+        torch.save(state, tmp)
+    atomic_write_json(run_dir / "model.json", spec)
+    return path
+
+
+def load_trained(run_dir: str | Path) -> torch.nn.Module:
+    """Rebuilds the model of a finished ``edgeadapt train`` run with its final weights (eval mode)."""
+    import importlib
+
+    run_dir = Path(run_dir)
+    spec = json.loads((run_dir / "model.json").read_text())
+    module, attr = spec["factory"].split(":")
+    model = getattr(importlib.import_module(module), attr)(**spec["kwargs"])
+    model.load_state_dict(torch.load(run_dir / "weights.pt", map_location="cpu", weights_only=True))
+    return model.eval()
+
+
+def _export_hint(run_dir: Path, spec: dict) -> str | None:
+    if "input_shape" not in spec:
+        return None
+    shape = ",".join(str(s) for s in spec["input_shape"])
+    return (f"edgeadapt export {spec['factory']} --factory-kwargs '{json.dumps(spec['kwargs'])}' "
+            f"--input-shape {shape} --weights {run_dir / 'weights.pt'} --out {run_dir / 'bundle'}")
+
+
+# ---- the command ------------------------------------------------------------------------
+def _residency_text(trainer) -> str:
+    try:
+        residency = trainer.residency()
+    except (AttributeError, NotImplementedError):
+        return ""
+    per_tier = residency.get("tiers", {})
+    parts = [f"{tier} {format_bytes(int(b))}" for tier, b in per_tier.items() if isinstance(b, (int, np.integer))]
+    return ", ".join(parts)
+
+
+def _mean_over_ranks(value: float, ctx: DistContext) -> float:
+    if not ctx.is_distributed:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    torch.distributed.all_reduce(t)
+    return float(t) / ctx.world_size
+
+
+def cmd_train(args: argparse.Namespace, echo=print) -> int:
+    """Runs ``edgeadapt train`` with the options ``edgeadapt.cli`` parsed; returns the exit status."""
+    from ..export import OptimizerConfig
+    from .store import OffloadDirError
+    from .trainer import Trainer
+
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    budget = parse_bytes(args.memory_budget) if args.memory_budget else None
+    run_dir = Path(args.checkpoint_dir)
+    device_type = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
+    ctx = init_from_env(device_type)
+    try:
+        if args.resume and not _has_checkpoint(run_dir):
+            raise FileNotFoundError(f"--resume: no checkpoint in {run_dir / CHECKPOINTS}; run without --resume first")
+        if not args.resume and _has_checkpoint(run_dir):
+            raise FileExistsError(f"{run_dir} already holds a checkpoint; pass --resume to continue it "
+                                  f"or choose a new --checkpoint-dir")
+        if ctx.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        _barrier(ctx)
+        device = _device(args, ctx)
+        model, source, spec, loss = _build(args, ctx)
+        n_params = sum(p.numel() for p in model.parameters())
+        broadcast_parameters(model)            # replicas start equal even if initialisation differed
+        run_config = _run_config(args, spec, source)
+        offload = None if args.offload == "none" else args.offload
+        kwargs = dict(loss=loss, optimizer=OptimizerConfig("adamw", lr=args.lr, weight_decay=args.weight_decay),
+                      memory_budget=budget, offload=offload, offload_dir=run_dir / "state" / f"rank{ctx.rank}",
+                      device=device, recompute={"on": True, "off": False}.get(args.recompute, "auto"),
+                      process_group=torch.distributed.group.WORLD if ctx.is_distributed else None,
+                      example_input=source.batch(0)[0])
+        try:
+            trainer = (Trainer.resume(run_dir / CHECKPOINTS, model, **kwargs) if args.resume
+                       else Trainer(model, **kwargs))
+        except OffloadDirError as e:
+            raise RuntimeError(f"the disk tier cannot use {kwargs['offload_dir']}: {e}") from e
+        if args.resume:
+            _check_same_run(trainer.checkpoint_extra.get("run", {}), run_config, run_dir / CHECKPOINTS)
+            _restore_rank_rng(trainer.checkpoint_extra, ctx)
+            if ctx.is_main:
+                echo(f"resuming {run_dir} at step {trainer.step_count}")
+        if ctx.is_main:
+            echo(f"training {args.model} ({n_params:,} parameters) on {device} x {ctx.world_size} process(es), "
+                 f"offload {args.offload}, budget {format_bytes(budget) if budget else 'none'}, "
+                 f"global batch {source.global_batch_size}, steps {trainer.step_count}..{args.steps}")
+        try:
+            _train_loop(trainer, source, args, run_dir, run_config, spec, ctx, echo)
+        finally:
+            trainer.close()
+        return 0
+    finally:
+        shutdown(ctx)
+
+
+def _train_loop(trainer, source, args: argparse.Namespace, run_dir: Path, run_config: dict, spec: dict,
+                ctx: DistContext, echo) -> None:
+    """Steps from the trainer's step to ``--steps``, with progress, checkpoints and the weights file."""
+    from tqdm.auto import tqdm
+
+    budget = trainer.budget_bytes
+    start = trainer.step_count
+    show_bar = ctx.is_main and not args.no_progress
+    log_every = max(1, (args.steps - start) // 10)
+    bar = tqdm(range(start, args.steps), desc="train", unit="step", initial=start, total=args.steps,
+               disable=not show_bar)
+    loss_value = float("nan")
+    t0 = time.perf_counter()
+    items = 0
+    for step in bar:
+        x, y = source.batch(step)
+        loss_value = _mean_over_ranks(float(trainer.step(x, y)), ctx)
+        items += source.items_per_step * ctx.world_size
+        rate = items / max(time.perf_counter() - t0, 1e-9)
+        status = f"loss {loss_value:.4f}, {rate:,.0f} {source.unit}/s, {_residency_text(trainer)}"
+        bar.set_postfix_str(status)
+        if ctx.is_main and not show_bar and ((step + 1 - start) % log_every == 0 or step + 1 == args.steps):
+            echo(f"step {step + 1}/{args.steps}: {status}")
+        if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < args.steps:
+            _save_checkpoint(trainer, run_dir, run_config, ctx)
+    bar.close()
+    elapsed_s = time.perf_counter() - t0
+    _save_checkpoint(trainer, run_dir, run_config, ctx)
+    if not ctx.is_main:
+        return
+    weights = _save_weights(trainer.model(), run_dir, spec)
+    echo(f"done: step {args.steps}, loss {loss_value:.4f}, {items / max(elapsed_s, 1e-9):,.0f} {source.unit}/s, "
+         f"tracked peak {format_bytes(trainer.tracked_peak_bytes)}"
+         + (f" of a {format_bytes(budget)} budget" if budget else "") + f"; weights {weights}")
+    hint = _export_hint(run_dir, spec)
+    if hint:
+        echo(f"export it for the device: {hint}")
