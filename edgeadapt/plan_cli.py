@@ -1,0 +1,396 @@
+"""``edgeadapt plan BUNDLE``: the memory plan a bundle carries, and how the device keeps it.
+
+Prints what trains, the cut (the frozen prefix run once as inference, its features cached),
+batch and micro-batch, which saved activations are kept or recomputed, and the predicted peak
+of a whole ``Runner.adapt`` call per phase (see docs/ for the cost model). ``--measure`` runs an
+adapt call of the planned size (``n_windows`` synthetic windows, one epoch, the planned batch)
+in a fresh process where torch cannot be imported and prints the measured peak over the loaded
+runner next to the prediction, twice: total resident memory (VmHWM delta) and anonymous memory
+only (sampled RssAnon). ``--png`` draws the predicted phases and the measured timeline
+(matplotlib, imported only then).
+
+Torch-free: the sched planner, the bundle format and (for ``--measure``) the runner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["plan_report", "format_report", "measure_adapt", "draw_timeline", "cmd_plan", "add_plan_parser",
+           "MEASURE_SAMPLE_INTERVAL_S"]
+
+# RssAnon/VmRSS are sampled this often during a measured adapt call.
+MEASURE_SAMPLE_INTERVAL_S = 0.002
+
+
+def format_bytes(n: int) -> str:
+    from .sched.plan import format_bytes as fmt  # imported on use: `edgeadapt --help` stays light
+
+    return fmt(n)
+
+
+# ---- the report ---------------------------------------------------------------------------
+def _load(bundle_dir: str | os.PathLike):
+    from .bundle import BundleError, read_manifest
+    from .sched.ir import Graph
+    from .sched.plan import Plan
+
+    manifest = read_manifest(bundle_dir, verify=True)
+    if manifest.plan is None or manifest.graph is None:
+        raise BundleError(
+            f"{bundle_dir} carries no memory plan (it was exported before plans were recorded); "
+            "re-export it with this edgeadapt (edgeadapt export ... [--memory-budget 512KiB])")
+    try:
+        return manifest, Plan.from_dict(manifest.plan), Graph.from_dict(manifest.graph)
+    except (KeyError, TypeError, ValueError) as e:
+        raise BundleError(f"{bundle_dir}: the manifest's plan or graph is malformed ({e}); re-export the bundle") from None
+
+
+def plan_report(bundle_dir: str | os.PathLike, *, n_windows: int | None = None,
+                batch_windows: int | None = None) -> dict[str, Any]:
+    """What ``edgeadapt plan`` prints, as a JSON-able dict.
+
+    Args:
+        bundle_dir: the bundle.
+        n_windows, batch_windows: report the plan for another window count or batch (the
+            prediction is made again; the stored one is for the exported plan).
+
+    Raises:
+        BundleError: not a bundle, damaged, or a bundle exported without a plan.
+    """
+    manifest, plan, graph = _load(bundle_dir)
+    if n_windows or batch_windows:
+        from dataclasses import replace
+
+        batch = batch_windows or plan.batch_windows
+        plan = replace(plan, n_windows=n_windows or plan.n_windows, batch_windows=batch,
+                       micro_batch_windows=min(plan.micro_batch_windows, batch), predicted=None)
+    entries = {e.name: e for e in manifest.parameters}
+    trains = [{"name": p.name, "mode": p.mode.value, "tier": p.tier.value,
+               "channels": None if p.channels is None else len(p.channels),
+               "trainable_numel": entries[p.name].trainable_numel if p.name in entries else None}
+              for p in plan.trained]
+    cut = None
+    if plan.cut >= 0:
+        op = graph.ops[plan.cut]
+        cut = {"index": plan.cut, "op": op.name, "module": op.module, "features_bytes_per_window": op.output_bytes,
+               "feature_cache_bytes": op.output_bytes * plan.n_windows if plan.cache_features else 0,
+               "prefix_model": manifest.files.get("prefix_model")}
+    recomputed = list(plan.recomputed)
+    stored = plan.predicted
+    try:
+        from .sched import predict
+
+        repredicted = predict(graph, plan).to_dict()
+    except ImportError:  # a planner without predict(): report what the exporter stored
+        repredicted = None
+    try:
+        from .sched.verify import timeline
+
+        events = [[e.phase, e.where, e.total_bytes] for e in timeline(graph, plan)]
+    except ImportError:
+        events = None
+    return {
+        "bundle": str(bundle_dir),
+        "graph": graph.name, "n_ops": len(graph.ops),
+        "trains": trains,
+        "trainable_numel": manifest.trainable_numel, "total_numel": manifest.total_numel,
+        "optimizer": plan.optimizer,
+        "cut": cut, "cache_features": plan.cache_features,
+        "batch_windows": plan.batch_windows, "micro_batch_windows": plan.micro_batch_windows,
+        "n_windows": plan.n_windows,
+        "recompute": recomputed,
+        "keep": [n for n, a in plan.activations if a.value == "keep"],
+        "budget_bytes": plan.budget_bytes,
+        "predicted": None if stored is None else stored.to_dict(),
+        "predicted_now": repredicted,
+        "predicted_timeline": events,
+        "policy": plan.policy,
+    }
+
+
+def _phase_lines(peak: dict) -> list[str]:
+    phases = peak.get("phases_bytes", {})
+    width = max((len(k) for k in phases), default=0)
+    return [f"  {name:<{width}}  {format_bytes(v):>11}" + ("   <- peak" if v == peak["peak_bytes"] else "")
+            for name, v in phases.items()]
+
+
+def format_report(r: dict[str, Any], measured: dict[str, Any] | None = None) -> str:
+    """The human-readable form of :func:`plan_report` (and of :func:`measure_adapt`'s figures)."""
+    out = [f"bundle       {r['bundle']}  ({r['graph']}, {r['n_ops']} ops)"]
+    pct = 100.0 * r["trainable_numel"] / max(1, r["total_numel"])
+    out.append(f"trains       {r['trainable_numel']:,} of {r['total_numel']:,} elements ({pct:.2f}%), "
+               f"optimizer {r['optimizer']}")
+    for t in r["trains"]:
+        what = f"{t['mode']}" + (f" ({t['channels']} channels)" if t["channels"] else "")
+        n = f"{t['trainable_numel']:,}" if t["trainable_numel"] is not None else "?"
+        out.append(f"  {t['name']:<40} {what:<22} {n:>10}")
+    c = r["cut"]
+    if c is None:
+        out.append("cut          none: the first op trains (no frozen prefix)")
+    else:
+        how = (f"prefix runs once per adapt call as inference ({c['prefix_model']}); feature cache "
+               f"{format_bytes(c['feature_cache_bytes'])}" if r["cache_features"] else
+               "prefix runs inside every training step (features not cached)")
+        out.append(f"cut          after op {c['index']} {c['op']!r} ({c['module'] or 'root'}), "
+                   f"{format_bytes(c['features_bytes_per_window'])}/window; {how}")
+    out.append(f"batch        {r['batch_windows']} windows per step, micro-batches of {r['micro_batch_windows']}; "
+               f"planned for {r['n_windows']} adaptation windows")
+    rec = r["recompute"]
+    out.append(f"activations  recompute {len(rec)}" + (f" ({', '.join(rec[:6])}{', ...' if len(rec) > 6 else ''})"
+                                                       if rec else "") + ", keep the rest")
+    budget = "none" if r["budget_bytes"] is None else format_bytes(r["budget_bytes"])
+    peak = r["predicted_now"] or r["predicted"]
+    if peak is None:
+        out.append(f"budget       {budget}; no prediction recorded")
+    else:
+        out.append(f"budget       {budget}; predicted peak of a whole adapt call {format_bytes(peak['peak_bytes'])} "
+                   f"at {peak['where']}")
+        out.append("predicted peak per phase (everything alive at that point):")
+        out.extend(_phase_lines(peak))
+    if measured is not None:
+        out.append(f"measured     adapt over {measured['n_windows']} windows, 1 epoch, batch {measured['batch_windows']}, "
+                   f"{measured['steps']} steps, fresh torch-free process, device {measured['device']}")
+        pred = peak["peak_bytes"] if peak else None
+        for label, key in (("total (VmHWM delta)", "call_peak_bytes"), ("anonymous (RssAnon)", "call_peak_anon_bytes")):
+            v = measured[key]
+            ratio = f"  ({v / pred:.2f}x predicted)" if pred else ""
+            out.append(f"  {label:<22} {format_bytes(v):>11}{ratio}")
+        out.append(f"  {'predicted':<22} {format_bytes(pred) if pred else '-':>11}")
+    return "\n".join(out)
+
+
+# ---- measuring ------------------------------------------------------------------------------
+class _Timeline:
+    """Samples (time, VmRSS, RssAnon) from a thread (``edgeadapt.memory.status_fields``)."""
+
+    def __init__(self, interval_s: float):
+        from .memory import status_fields
+
+        self._read = lambda: status_fields("VmRSS", "RssAnon")
+        self.interval_s = interval_s
+        self.series: list[tuple[float, int, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="plan-timeline", daemon=True)
+        self._switch_s = sys.getswitchinterval()
+
+    def sample(self) -> None:
+        f = self._read()
+        self.series.append((time.perf_counter(), f["VmRSS"], f["RssAnon"]))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def __enter__(self) -> _Timeline:
+        self.sample()
+        sys.setswitchinterval(min(self._switch_s, self.interval_s))
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        sys.setswitchinterval(self._switch_s)
+        self.sample()
+
+
+def _synthetic_data(manifest, n: int, seed: int):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    X = rng.standard_normal((n, *manifest.input.shape[1:])).astype(np.float32)
+    spec = manifest.label
+    if spec is None:
+        return X, None
+    if manifest.loss == "cross_entropy":
+        return X, (np.arange(n) % int(spec["n_classes"])).astype(np.int64)
+    shape = [n, *spec["shape"][1:]]
+    return X, rng.uniform(0.0, 1.0, shape).astype(np.float32)
+
+
+def _measure_job(spec: dict[str, Any]) -> dict[str, Any]:
+    """In the fresh process: load, warm up, then one measured adapt call of the planned size."""
+    from .memory import peak_rss_bytes, reset_peak_rss
+    from .runtime import Runner
+
+    runner = Runner.load(spec["bundle"], device=spec["device"], threads=spec["threads"])
+    X, y = _synthetic_data(runner.manifest, spec["n_windows"], spec["seed"])
+    # Warm-up: page in the inference kernels (prefix and eval graph) so the baseline holds them.
+    runner.predict(X[:2])
+    reset_ok = reset_peak_rss()
+    with _Timeline(spec["interval_s"]) as timeline:
+        base_total, base_anon = timeline.series[0][1], timeline.series[0][2]
+        result = runner.adapt(X, y, epochs=1, batch_size=spec["batch_windows"], seed=spec["seed"], progress=False)
+    t0 = timeline.series[0][0]
+    return {
+        "device": runner.device, "torch_imported": "torch" in sys.modules,
+        "n_windows": spec["n_windows"], "batch_windows": spec["batch_windows"], "steps": result.steps,
+        "baseline_rss_bytes": base_total, "baseline_anon_bytes": base_anon, "peak_reset_ok": reset_ok,
+        "call_peak_bytes": max(0, peak_rss_bytes() - base_total),
+        "call_peak_anon_bytes": max(0, max(s[2] for s in timeline.series) - base_anon),
+        "samples": len(timeline.series),
+        "timeline": [[round(t - t0, 6), rss - base_total, anon - base_anon] for t, rss, anon in timeline.series],
+        "adapt_time_s": result.time_s,
+        "result": {k: v for k, v in vars(result).items() if isinstance(v, (int, float, str))},
+    }
+
+
+def measure_adapt(bundle_dir: str | os.PathLike, *, n_windows: int | None = None, batch_windows: int | None = None,
+                  device: str = "cpu", threads: int | None = 1, seed: int = 0,
+                  timeout_s: float = 600) -> dict[str, Any]:
+    """Run one adapt call of the planned size in a fresh process where torch cannot be imported.
+
+    The baseline is that process with the runner loaded and one 2-window prediction run (the
+    inference kernels paged in); the figures are the peak of the whole ``adapt`` call above it:
+    ``call_peak_bytes`` (VmHWM) and ``call_peak_anon_bytes`` (sampled RssAnon, a lower bound),
+    plus ``timeline`` rows ``[seconds, VmRSS - baseline, RssAnon - baseline]``.
+
+    Raises:
+        RuntimeError: the job failed; the message carries its stderr.
+    """
+    _, plan, _ = _load(bundle_dir)
+    spec = {"bundle": os.fspath(bundle_dir), "n_windows": n_windows or plan.n_windows,
+            "batch_windows": batch_windows or plan.batch_windows, "device": device, "threads": threads,
+            "seed": seed, "interval_s": MEASURE_SAMPLE_INTERVAL_S}
+    with tempfile.TemporaryDirectory(prefix="edgeadapt-plan-") as scratch:
+        spec_path, report_path = Path(scratch) / "spec.json", Path(scratch) / "report.json"
+        spec_path.write_text(json.dumps(spec))
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        proc = subprocess.run([sys.executable, "-m", "edgeadapt.plan_cli", str(spec_path), str(report_path)],
+                              capture_output=True, text=True, timeout=timeout_s, env=env)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the measuring adapt job failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        return json.loads(report_path.read_text())
+
+
+# ---- the timeline picture ----------------------------------------------------------------------
+def draw_timeline(report: dict[str, Any], measured: dict[str, Any] | None, path: str | os.PathLike) -> Path:
+    """Draw the predicted peak per phase and (if given) the measured timeline to a PNG.
+
+    Raises:
+        ImportError: matplotlib is not installed (``pip install matplotlib``).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError("--png needs matplotlib, which this install lacks: pip install matplotlib "
+                          "(or drop --png)") from None
+    from .atomic import atomic_path
+
+    peak = report["predicted_now"] or report["predicted"]
+    kib = 1024.0
+    fig, axes = plt.subplots(1, 2 if measured else 1, figsize=(11 if measured else 6, 4), squeeze=False)
+    ax = axes[0][0]
+    events = report.get("predicted_timeline")
+    if events:
+        values = [e[2] / kib for e in events]
+        ax.step(range(len(values) + 1), values + values[-1:], where="post", color="tab:blue", label="predicted")
+        starts = [i for i, e in enumerate(events) if i == 0 or events[i - 1][0] != e[0]]
+        ax.set_xticks([i + 0.5 for i in starts], [events[i][0] for i in starts], rotation=30)
+        ax.set_xlabel("simulated events of one adapt call")
+    elif peak:
+        names = list(peak["phases_bytes"])
+        values = [peak["phases_bytes"][n] / kib for n in names]
+        ax.step(range(len(names) + 1), values + values[-1:], where="post", color="tab:blue", label="predicted")
+        ax.set_xticks([i + 0.5 for i in range(len(names))], names, rotation=30)
+    if report["budget_bytes"]:
+        ax.axhline(report["budget_bytes"] / kib, color="tab:red", ls="--", label="budget")
+    ax.set_ylabel("KiB above the loaded runner")
+    ax.set_title("predicted, per phase of one adapt call")
+    ax.legend(loc="lower right")
+    if measured:
+        ax2 = axes[0][1]
+        rows = measured["timeline"]
+        t = [r[0] for r in rows]
+        ax2.plot(t, [r[1] / kib for r in rows], color="tab:gray", label="measured total (VmRSS)")
+        ax2.plot(t, [r[2] / kib for r in rows], color="tab:green", label="measured anonymous (RssAnon)")
+        if peak:
+            ax2.axhline(peak["peak_bytes"] / kib, color="tab:blue", ls=":", label="predicted peak")
+        if report["budget_bytes"]:
+            ax2.axhline(report["budget_bytes"] / kib, color="tab:red", ls="--", label="budget")
+        ax2.set_xlabel("seconds into the adapt call")
+        ax2.set_title(f"measured: {measured['n_windows']} windows, batch {measured['batch_windows']}")
+        ax2.legend(loc="lower right", fontsize=8)
+        top = max([ax.get_ylim()[1], *(max(r[1], r[2]) / kib for r in rows)]) * 1.05
+        for a in (ax, ax2):
+            a.set_ylim(min(0.0, *(min(r[1], r[2]) / kib for r in rows)), top)
+    fig.tight_layout()
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+    return path
+
+
+# ---- command line -------------------------------------------------------------------------------
+def cmd_plan(args: argparse.Namespace) -> int:
+    """``edgeadapt plan``: print the plan; optionally measure and draw."""
+    report = plan_report(args.bundle, n_windows=args.n_windows, batch_windows=args.batch_windows)
+    measured = None
+    if args.measure:
+        measured = measure_adapt(args.bundle, n_windows=args.n_windows, batch_windows=args.batch_windows,
+                                 device=args.device, threads=args.threads)
+    if args.json:
+        print(json.dumps({**report, "measured": measured}, indent=2))
+    else:
+        print(format_report(report, measured))
+    if args.png:
+        try:
+            path = draw_timeline(report, measured, args.png)
+        except ImportError as e:
+            raise RuntimeError(str(e)) from None  # one clear line from the CLI
+        if not args.json:
+            print(f"wrote {path}")
+    return 0
+
+
+def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``edgeadapt plan`` on the CLI's subparsers."""
+    p = sub.add_parser("plan", help="the bundle's memory plan: what trains, cut, micro-batch, predicted peak",
+                       description=__doc__.split("\n\n")[1].replace("\n", " "))
+    p.add_argument("bundle")
+    p.add_argument("--measure", action="store_true",
+                   help="run an adapt call of the planned size in a fresh torch-free process and print "
+                        "measured peaks (total and anonymous) next to the prediction")
+    p.add_argument("--png", metavar="PATH", help="draw the predicted and measured memory timeline (needs matplotlib)")
+    p.add_argument("--n-windows", type=int, default=None,
+                   help="adaptation windows to predict (and --measure) for (default: the plan's)")
+    p.add_argument("--batch-windows", type=int, default=None,
+                   help="windows per step to predict (and --measure) for (default: the plan's)")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="cpu", help="device for --measure")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads for --measure (default 1)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_plan)
+    return p
+
+
+def _job_main(argv: list[str]) -> int:
+    from .harness.isolation import forbid_torch
+
+    forbid_torch()
+    from .atomic import atomic_write_json
+
+    spec = json.loads(Path(argv[0]).read_text())
+    atomic_write_json(argv[1], _measure_job(spec))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        print("usage: python -m edgeadapt.plan_cli SPEC.json REPORT.json (the --measure job)", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(_job_main(sys.argv[1:]))
