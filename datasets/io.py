@@ -12,7 +12,9 @@ Accepted ``.npz`` layouts (read with ``allow_pickle=False``), told apart by thei
   ``overlap_fraction`` (see :func:`~edgeadapt.datasets.windows_from_continuous`).
 
 Either of the last two may also hold ``class_names`` and ``channel_names`` (string arrays) and
-``sample_rate_hz`` (a number); keyword arguments given to the loader take precedence.
+``sample_rate_hz`` (a number); keyword arguments given to the loader take precedence. No layout
+needs ``sample_rate_hz``: windows are cut by ``window_length_samples``, and a dataset whose rate
+is not known has ``sample_rate_hz=None``.
 
 A ``.csv`` file holds continuous samples, one per row, with a header
 ``subject,[session,]label,<channel>,<channel>,...``: integer subject (and session) ids, a label
@@ -100,7 +102,7 @@ def load_npz_file(
 
     Args:
         path: the file.
-        sample_rate_hz: sampling rate, required unless the file holds ``sample_rate_hz``.
+        sample_rate_hz: sampling rate, if known (else the file's ``sample_rate_hz``, else ``None``).
         window_length_samples: samples per window; required for the continuous layout and
             refused for the others (they are windowed already).
         overlap_fraction: continuous layout: overlap of consecutive windows, in ``[0, 1)``.
@@ -140,8 +142,6 @@ def load_npz_file(
     sample_rate_hz = _metadata(stored, "sample_rate_hz", sample_rate_hz)
     class_names = _metadata(stored, "class_names", class_names)
     channel_names = _metadata(stored, "channel_names", channel_names)
-    if sample_rate_hz is None:
-        raise ValueError(f"{path}: no 'sample_rate_hz' in the file; pass sample_rate_hz=")
     data = arrays[data_key]
     if not np.issubdtype(data.dtype, np.number):
         raise ValueError(f"{path}: {data_key!r} must hold numbers, got dtype {data.dtype}")
@@ -162,7 +162,7 @@ def load_npz_file(
 def _from_continuous(
     path: Path,
     arrays: dict[str, np.ndarray],
-    sample_rate_hz: float,
+    sample_rate_hz: float | None,
     class_names: Sequence[str] | None,
     channel_names: Sequence[str] | None,
     windowing: dict[str, Any],
@@ -187,7 +187,7 @@ def _from_continuous(
 def _from_windows(
     path: Path,
     arrays: dict[str, np.ndarray],
-    sample_rate_hz: float,
+    sample_rate_hz: float | None,
     class_names: Sequence[str] | None,
     channel_names: Sequence[str] | None,
 ) -> WindowDataset:
@@ -264,8 +264,8 @@ def _read_csv(path: Path) -> tuple[list[str], list[list[str]], list[int]]:
 def load_csv(
     path: str | os.PathLike[str],
     *,
-    sample_rate_hz: float,
     window_length_samples: int,
+    sample_rate_hz: float | None = None,
     overlap_fraction: float = 0.5,
     label_rule: LabelRule | str = LabelRule.MAJORITY,
     class_names: Sequence[str] | None = None,
@@ -279,8 +279,8 @@ def load_csv(
 
     Args:
         path: the file.
-        sample_rate_hz: sampling rate of the rows.
         window_length_samples: samples (rows) per window.
+        sample_rate_hz: sampling rate of the rows, if known (``None``: not recorded).
         overlap_fraction: overlap of consecutive windows, in ``[0, 1)``.
         label_rule: window label from per-row labels (``"majority"`` or ``"last"``).
         class_names: names of the classes (see above).
@@ -351,6 +351,8 @@ def load_dataset(name_or_path: str | os.PathLike[str], **kwargs: Any) -> WindowD
     loader = loaders.get(path.suffix.lower())
     if loader is None:
         raise ValueError(f"unknown dataset {str(name_or_path)!r}: use 'synthetic', 'watch', or a .npz or .csv file")
+    if path.is_dir():
+        raise ValueError(f"{path}: is a directory, not a {path.suffix.lower()} file")
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
     return loader(path, **kwargs)

@@ -33,7 +33,7 @@ __all__ = ["WindowDataset", "read_npz", "FORMAT_KEY", "FORMAT_VALUE"]
 FORMAT_KEY = "edgeadapt_format"
 FORMAT_VALUE = "window_dataset/1"
 
-_REQUIRED_KEYS = ("X", "y", "subject", "class_names", "channel_names", "sample_rate_hz")
+_REQUIRED_KEYS = ("X", "y", "subject", "class_names", "channel_names")
 _OPTIONAL_ARRAYS = ("session", "recording", "start_sample")
 
 
@@ -69,7 +69,8 @@ class WindowDataset:
         subject: ``int64`` array ``(windows,)``, the subject (person) of each window.
         class_names: one name per class id.
         channel_names: one name per channel (axis 1 of ``X``).
-        sample_rate_hz: sampling rate of the time axis, > 0.
+        sample_rate_hz: sampling rate of the time axis, > 0, or ``None`` when not known (windows
+            cut elsewhere need none; only windowing a continuous recording by time does).
         session: optional ``int64`` array ``(windows,)``, e.g. recording day or body side.
         recording: optional ``int64`` array ``(windows,)``, the continuous recording a window was
             cut from; given together with ``start_sample``.
@@ -83,7 +84,7 @@ class WindowDataset:
     subject: np.ndarray
     class_names: tuple[str, ...]
     channel_names: tuple[str, ...]
-    sample_rate_hz: float
+    sample_rate_hz: float | None
     session: np.ndarray | None = None
     recording: np.ndarray | None = None
     start_sample: np.ndarray | None = None
@@ -110,7 +111,8 @@ class WindowDataset:
             raise ValueError("recording and start_sample must be given together (or neither)")
         object.__setattr__(self, "class_names", _names("class_names", self.class_names))
         object.__setattr__(self, "channel_names", _names("channel_names", self.channel_names))
-        object.__setattr__(self, "sample_rate_hz", float(self.sample_rate_hz))
+        if self.sample_rate_hz is not None:
+            object.__setattr__(self, "sample_rate_hz", float(self.sample_rate_hz))
         if not self.class_names:
             raise ValueError("class_names must name at least one class")
         if len(self.channel_names) != X.shape[1]:
@@ -118,7 +120,7 @@ class WindowDataset:
                 f"channel_names has {len(self.channel_names)} names but X has {X.shape[1]} channels "
                 "(axis 1); X must be channels-first (windows, channels, time_steps)"
             )
-        if not (np.isfinite(self.sample_rate_hz) and self.sample_rate_hz > 0):
+        if self.sample_rate_hz is not None and not (np.isfinite(self.sample_rate_hz) and self.sample_rate_hz > 0):
             raise ValueError(f"sample_rate_hz must be a positive number, got {self.sample_rate_hz}")
         bad = ~np.isfinite(X)
         if bad.any():
@@ -205,8 +207,9 @@ class WindowDataset:
             "subject": self.subject,
             "class_names": np.array(self.class_names, dtype=np.str_),
             "channel_names": np.array(self.channel_names, dtype=np.str_),
-            "sample_rate_hz": np.array(self.sample_rate_hz, dtype=np.float64),
         }
+        if self.sample_rate_hz is not None:
+            arrays["sample_rate_hz"] = np.array(self.sample_rate_hz, dtype=np.float64)
         for name in _OPTIONAL_ARRAYS:
             if getattr(self, name) is not None:
                 arrays[name] = getattr(self, name)
@@ -244,11 +247,11 @@ class WindowDataset:
         missing = [k for k in _REQUIRED_KEYS if k not in arrays]
         if missing:
             raise ValueError(f"{source}: missing keys {missing}")
-        fields = {k: arrays[k] for k in (*_REQUIRED_KEYS, *_OPTIONAL_ARRAYS) if k in arrays}
+        fields = {k: arrays[k] for k in (*_REQUIRED_KEYS, *_OPTIONAL_ARRAYS, "sample_rate_hz") if k in arrays}
         fields["class_names"] = tuple(fields["class_names"].tolist())
         fields["channel_names"] = tuple(fields["channel_names"].tolist())
         try:
-            fields["sample_rate_hz"] = float(fields["sample_rate_hz"])
+            fields["sample_rate_hz"] = float(fields["sample_rate_hz"]) if "sample_rate_hz" in fields else None
             return cls(**fields)
         except (TypeError, ValueError) as e:
             raise ValueError(f"{source}: {e}") from e
@@ -261,6 +264,16 @@ def read_npz(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
         FileNotFoundError: there is no such file.
         ValueError: naming the file, when it is not a readable ``.npz`` or holds pickled objects.
     """
+    if Path(path).is_dir():
+        raise ValueError(f"{path}: is a directory, not a .npz file")
+    if Path(path).is_file() and not zipfile.is_zipfile(path):
+        with open(path, "rb") as f:
+            if f.read(6) == b"\x93NUMPY":
+                raise ValueError(f"{path}: holds one array, not named arrays; save with np.savez(path, X=..., y=..., ...)")
+        raise ValueError(
+            f"{path}: not a readable .npz file (not a zip of .npy arrays, as np.savez writes); "
+            "save the arrays with np.savez(path, X=..., y=..., subject=...)"
+        )
     try:
         loaded = np.load(path, allow_pickle=False)
     except FileNotFoundError:

@@ -2,11 +2,17 @@
 
 A reader never sees a half-written file: either the previous version or the new one. Data are
 fsynced before the rename, so a power loss cannot leave a renamed but empty file behind.
+
+A staging directory is locked (``flock``) by the process that fills it, so a later writer can
+tell an abandoned one (its owner was killed: the lock is gone) from one still being filled, and
+removes only the former (:func:`sweep_stale_stages`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
 import os
 import shutil
@@ -15,7 +21,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_path", "atomic_write_bytes", "atomic_write_json", "staged_directory"]
+__all__ = [
+    "atomic_path",
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "staged_directory",
+    "directory_lock",
+    "sweep_stale_stages",
+]
 
 
 def _fsync_path(path: Path) -> None:
@@ -60,12 +73,70 @@ def atomic_write_json(path: str | os.PathLike, value: Any) -> None:
 
 
 @contextlib.contextmanager
+def directory_lock(directory: str | os.PathLike, *, exclusive: bool, blocking: bool = True) -> Iterator[bool]:
+    """Hold an advisory ``flock`` on a directory (no lock file is created).
+
+    The lock dies with its process, so a killed writer never leaves a directory locked.
+
+    Args:
+        directory: an existing directory.
+        exclusive: exclusive (writers) or shared (readers).
+        blocking: wait for the lock; otherwise yield ``False`` at once when it is taken.
+
+    Yields:
+        Whether the lock is held.
+    """
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        flags = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | (0 if blocking else fcntl.LOCK_NB)
+        try:
+            fcntl.flock(fd, flags)
+            held = True
+        except OSError as e:
+            if blocking or e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise
+            held = False
+        yield held
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _stage_pattern(target: Path) -> str:
+    return f".{target.name}.*.partial"
+
+
+def sweep_stale_stages(target: str | os.PathLike) -> list[str]:
+    """Remove staging directories of ``target`` (:func:`staged_directory`) whose writer is gone.
+
+    A staging directory still locked by a live writer is left alone. Returns the names removed.
+    """
+    target = Path(target)
+    removed = []
+    if not target.parent.is_dir():
+        return removed
+    for stage in target.parent.glob(_stage_pattern(target)):
+        if not stage.is_dir() or stage.is_symlink():
+            continue
+        try:
+            with directory_lock(stage, exclusive=True, blocking=False) as held:
+                if held:
+                    shutil.rmtree(stage, ignore_errors=True)
+                    removed.append(stage.name)
+        except OSError:
+            continue  # removed meanwhile
+    return removed
+
+
+@contextlib.contextmanager
 def staged_directory(target: str | os.PathLike) -> Iterator[Path]:
     """Build a new directory in a hidden sibling and move it to ``target`` only on success.
 
     ``target`` must not exist yet (an existing directory is never replaced wholesale: callers
     that update a directory in place write files atomically and switch a pointer file last).
-    If the body raises, the staging directory is removed and ``target`` is not created.
+    If the body raises, the staging directory is removed and ``target`` is not created; if the
+    process dies, the next call for the same target removes the abandoned staging directory.
+    When two processes build the same target at once, the first rename wins and the other
+    raises :class:`FileExistsError`.
 
     Yields:
         The staging directory to fill.
@@ -74,10 +145,20 @@ def staged_directory(target: str | os.PathLike) -> Iterator[Path]:
     if target.exists():
         raise FileExistsError(f"{target} already exists; choose a new output directory or remove it")
     target.parent.mkdir(parents=True, exist_ok=True)
+    sweep_stale_stages(target)
     stage = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
     try:
-        yield stage
-        os.rename(stage, target)
+        with directory_lock(stage, exclusive=True):
+            yield stage
+            _fsync_path(stage)
+            try:
+                os.rename(stage, target)
+            except OSError as e:
+                if e.errno in (errno.EEXIST, errno.ENOTEMPTY) or target.exists():
+                    raise FileExistsError(
+                        f"{target} was created by another writer meanwhile; nothing was written"
+                    ) from None
+                raise
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise

@@ -19,17 +19,20 @@ crash at any point leaves a manifest that names a complete, checksummed checkpoi
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 
-from .atomic import atomic_write_json
+from .atomic import atomic_write_json, directory_lock, sweep_stale_stages
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -42,6 +45,14 @@ __all__ = [
     "read_manifest",
     "write_manifest",
     "verify_checksums",
+    "member_path",
+    "check_member_name",
+    "file_size_limits",
+    "contract_digest",
+    "CONTRACT_KEY",
+    "sweep_orphans",
+    "bundle_lock",
+    "MAX_LR",
 ]
 
 
@@ -51,6 +62,16 @@ FILE_ROLES = ("training_model", "eval_model", "optimizer_model", "checkpoint", "
 # Present iff the plan caches the frozen prefix's features (plan.cut >= 0 and plan.cache_features).
 OPTIONAL_FILE_ROLES = ("prefix_model",)
 DTYPES = ("float32", "float64", "int64", "int32")
+
+# Bounds on what a manifest may carry: a bundle is untrusted input (see docs/bundle-trust.md).
+MAX_LR = 10.0
+MAX_MANIFEST_BYTES = 64 << 20
+_MAX_DIM = 1 << 31
+_MAX_COUNT = 1 << 62
+# A member name is one plain file name: no directories, no "..", nothing hidden.
+_MEMBER_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]{0,199}")
+# ONNX metadata key under which the exporter stores :func:`contract_digest` in every graph.
+CONTRACT_KEY = "edgeadapt.contract_sha256"
 
 
 class BundleError(ValueError):
@@ -62,10 +83,12 @@ _TENSOR_SCHEMA = {
     "required": ["name", "shape", "dtype"],
     "properties": {
         "name": {"type": "string"},
-        "shape": {"type": "array", "items": {"type": ["integer", "null"]}},
+        "shape": {"type": "array", "maxItems": 8,
+                  "items": {"type": ["integer", "null"], "minimum": 1, "maximum": _MAX_DIM}},
         "dtype": {"enum": list(DTYPES)},
     },
 }
+_UNIT = {"type": "number", "minimum": 0, "maximum": 1}
 
 MANIFEST_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -93,7 +116,7 @@ MANIFEST_SCHEMA: dict[str, Any] = {
                     "required": ["name", "shape", "dtype", "n_classes"],
                     "properties": {
                         **_TENSOR_SCHEMA["properties"],
-                        "n_classes": {"type": ["integer", "null"], "minimum": 1},
+                        "n_classes": {"type": ["integer", "null"], "minimum": 1, "maximum": _MAX_DIM},
                     },
                 },
             ]
@@ -102,7 +125,14 @@ MANIFEST_SCHEMA: dict[str, Any] = {
         "optimizer": {
             "type": "object",
             "required": ["name", "lr"],
-            "properties": {"name": {"enum": ["adamw", "sgd"]}, "lr": {"type": "number", "exclusiveMinimum": 0}},
+            "properties": {
+                "name": {"enum": ["adamw", "sgd"]},
+                "lr": {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_LR},
+                "weight_decay": _UNIT,
+                "betas": {"type": "array", "minItems": 2, "maxItems": 2,
+                          "items": {"type": "number", "minimum": 0, "exclusiveMaximum": 1}},
+                "eps": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+            },
         },
         "batchnorm": {"enum": ["frozen", "batch"]},
         "policy": {"type": "object"},
@@ -113,10 +143,11 @@ MANIFEST_SCHEMA: dict[str, Any] = {
                 "required": ["name", "shape", "mode", "onnx_names", "trainable_numel"],
                 "properties": {
                     "name": {"type": "string"},
-                    "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                    "shape": {"type": "array", "maxItems": 8,
+                              "items": {"type": "integer", "minimum": 0, "maximum": _MAX_DIM}},
                     "mode": {"enum": ["frozen", "bias", "full", "channels"]},
                     "onnx_names": {"type": "object", "additionalProperties": {"type": "string"}},
-                    "trainable_numel": {"type": "integer", "minimum": 0},
+                    "trainable_numel": {"type": "integer", "minimum": 0, "maximum": _MAX_COUNT},
                 },
             },
         },
@@ -133,7 +164,8 @@ MANIFEST_SCHEMA: dict[str, Any] = {
         "state": {
             "type": "object",
             "required": ["epoch", "step"],
-            "properties": {"epoch": {"type": "integer", "minimum": 0}, "step": {"type": "integer", "minimum": 0}},
+            "properties": {"epoch": {"type": "integer", "minimum": 0, "maximum": _MAX_COUNT},
+                           "step": {"type": "integer", "minimum": 0, "maximum": _MAX_COUNT}},
         },
     },
 }
@@ -219,6 +251,29 @@ class Manifest:
     plan: dict[str, Any] | None = None
     graph: dict[str, Any] | None = None
 
+    def __post_init__(self) -> None:
+        # Runs on every construction and dataclasses.replace(): a manifest naming a path outside
+        # its bundle cannot be built, so neither load nor save can follow one.
+        for role, name in self.files.items():
+            check_member_name(name, f"files.{role}")
+        for name in self.sha256:
+            check_member_name(name, "a sha256 key")
+        if MANIFEST_NAME in self.files.values():
+            raise BundleError(f"manifest.json: files may not name {MANIFEST_NAME} itself")
+        if len(set(self.files.values())) != len(self.files):
+            raise BundleError(f"manifest.json: two file roles name the same file: {self.files}")
+        names = [p.name for p in self.parameters]
+        if len(set(names)) != len(names):
+            raise BundleError("manifest.json: parameter names repeat")
+        for p in self.parameters:
+            if p.trainable_numel > math.prod(p.shape):
+                raise BundleError(
+                    f"manifest.json: parameter {p.name} has trainable_numel {p.trainable_numel} > its "
+                    f"{math.prod(p.shape)} elements"
+                )
+            if p.mode == "frozen" and p.trainable_numel:
+                raise BundleError(f"manifest.json: parameter {p.name} is frozen but has trainable elements")
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "schema_version": SCHEMA_VERSION,
@@ -247,7 +302,8 @@ class Manifest:
             jsonschema.validate(d, MANIFEST_SCHEMA)
         except jsonschema.ValidationError as e:
             where = "/".join(str(p) for p in e.absolute_path) or "<root>"
-            raise BundleError(f"manifest.json is invalid at {where}: {e.message}") from None
+            message = e.message if len(e.message) <= 300 else e.message[:300] + "..."
+            raise BundleError(f"manifest.json is invalid at {where}: {message}") from None
         return cls(
             files=d["files"],
             sha256=d["sha256"],
@@ -295,12 +351,78 @@ def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def check_member_name(name: str, where: str = "a file name") -> None:
+    """Raise :class:`BundleError` unless ``name`` is one plain file name inside a bundle.
+
+    Refused: absolute paths, anything with a directory part or ``..``, hidden names and
+    characters outside ``[A-Za-z0-9_.+-]`` (a manifest may only name files beside itself).
+    """
+    if not isinstance(name, str) or not _MEMBER_NAME.fullmatch(name) or name in (".", ".."):
+        raise BundleError(
+            f"manifest.json: {where} is {name!r}, which is not a plain file name inside the bundle "
+            "(absolute paths, directories and '..' are refused); the manifest was edited or damaged - "
+            "re-export the bundle"
+        )
+
+
+def member_path(bundle_dir: str | os.PathLike, name: str, where: str = "a file name") -> Path:
+    """The path of bundle member ``name``, refused if it is not a plain name or resolves
+    (through a symbolic link) outside ``bundle_dir``.
+
+    Raises:
+        BundleError: naming the member and the reason.
+    """
+    check_member_name(name, where)
+    bundle_dir = Path(bundle_dir)
+    path = bundle_dir / name
+    root = bundle_dir.resolve()
+    resolved = path.resolve()
+    if resolved.parent != root:
+        raise BundleError(
+            f"{path}: {where} resolves to {resolved}, outside the bundle {root} (a symbolic link?); "
+            "a bundle's files must lie in its own directory"
+        )
+    return path
+
+
+def file_size_limits(manifest: Manifest) -> dict[str, int]:
+    """Largest plausible size in bytes of each file the manifest lists, from the model's size.
+
+    A file larger than this is refused before it is read (a checkpoint needs at most the
+    parameters plus optimizer state; generous margins allow for names and container overhead).
+    """
+    params_bytes = 8 * manifest.total_numel  # float64 at most
+    limits = {}
+    for name in manifest.sha256:
+        limits[name] = (64 << 20) + 2 * params_bytes
+    files = manifest.files
+    limits[files["checkpoint"]] = (1 << 20) + 2 * 8 * (manifest.total_numel + manifest.optimizer_state_numel)
+    limits[files["masks"]] = (64 << 10) + sum(512 + (p.shape[0] if p.shape else 1) for p in manifest.parameters)
+    return limits
+
+
+def _reject_constant(token: str) -> float:
+    raise ValueError(f"{token} is not a JSON number")
+
+
+def _manifest_text(path: Path) -> str:
+    size = path.stat().st_size
+    if size > MAX_MANIFEST_BYTES:
+        raise BundleError(f"{path} is {size} bytes, more than any manifest needs ({MAX_MANIFEST_BYTES}); "
+                          "the bundle is damaged")
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BundleError(f"{path} is not UTF-8 text (byte {e.start}); the bundle is damaged - "
+                          "re-export it or restore a copy") from None
+
+
 def read_manifest(bundle_dir: str | os.PathLike, *, verify: bool = True) -> Manifest:
     """Load and validate ``manifest.json``; with ``verify`` also check every file's sha256.
 
     Raises:
-        BundleError: the directory is not a bundle, the manifest is malformed, a file is
-            missing, or a checksum does not match.
+        BundleError: the directory is not a bundle, the manifest is malformed or names a file
+            outside the bundle, a file is missing or too large, or a checksum does not match.
     """
     bundle_dir = Path(bundle_dir)
     path = bundle_dir / MANIFEST_NAME
@@ -309,32 +431,42 @@ def read_manifest(bundle_dir: str | os.PathLike, *, verify: bool = True) -> Mani
             f"{bundle_dir} is not an edgeadapt bundle: {MANIFEST_NAME} is missing "
             "(create one with `edgeadapt export`)"
         )
+    path = member_path(bundle_dir, MANIFEST_NAME, MANIFEST_NAME)
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(_manifest_text(path), parse_constant=_reject_constant)
     except json.JSONDecodeError as e:
+        raise BundleError(f"{path} is not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:
         raise BundleError(f"{path} is not valid JSON: {e}") from None
     if isinstance(raw, dict) and raw.get("schema_version") not in (None, SCHEMA_VERSION):
         raise BundleError(
-            f"{path} has schema_version {raw.get('schema_version')}, this edgeadapt reads "
+            f"{path} has schema_version {str(raw.get('schema_version'))[:40]}, this edgeadapt reads "
             f"{SCHEMA_VERSION}; re-export the bundle with this version"
         )
     manifest = Manifest.from_dict(raw)
+    for role, name in manifest.files.items():
+        member_path(bundle_dir, name, f"files.{role}")
     if verify:
         verify_checksums(bundle_dir, manifest)
     return manifest
 
 
 def verify_checksums(bundle_dir: str | os.PathLike, manifest: Manifest) -> None:
-    """Raise :class:`BundleError` naming every file that is missing or whose sha256 differs."""
+    """Raise :class:`BundleError` naming every file that is missing, too large, outside the
+    bundle, or whose sha256 differs. Sizes are checked before any file is read."""
     bundle_dir = Path(bundle_dir)
     problems = []
     for role, name in manifest.files.items():
         if name not in manifest.sha256:
             problems.append(f"{name} ({role}) has no checksum in the manifest")
+    limits = file_size_limits(manifest)
     for name, want in manifest.sha256.items():
-        f = bundle_dir / name
+        f = member_path(bundle_dir, name, "a sha256 key")
         if not f.is_file():
             problems.append(f"{name} is missing")
+        elif (size := f.stat().st_size) > limits[name]:
+            problems.append(f"{name} is {size} bytes, far more than this model needs (at most {limits[name]}); "
+                            "it was not read")
         elif (got := sha256_file(f)) != want:
             problems.append(f"{name} has sha256 {got[:12]}..., manifest says {want[:12]}...")
     if problems:
@@ -342,6 +474,56 @@ def verify_checksums(bundle_dir: str | os.PathLike, manifest: Manifest) -> None:
             f"bundle {bundle_dir} failed verification: " + "; ".join(problems)
             + ". The bundle was modified or damaged; re-export it or restore a copy."
         )
+
+
+_MUTABLE_FIELDS = ("sha256", "state", "versions")
+
+
+def contract_digest(manifest: Manifest) -> str:
+    """sha256 of the manifest's fixed fields: everything an export decides (specs, loss,
+    optimizer settings, learning rate, policy, parameters, session, plan), nothing a save
+    changes (state, the checkpoint file, checksums).
+
+    The exporter stores it in every ONNX graph's metadata (:data:`CONTRACT_KEY`), which the
+    sha256 of the graphs covers; the runner recomputes it, so an edit of those fields in
+    ``manifest.json`` alone is refused.
+    """
+    d = manifest.to_dict()
+    for key in _MUTABLE_FIELDS:
+        d.pop(key, None)
+    d["files"] = {role: name for role, name in d["files"].items() if role != "checkpoint"}
+    return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+# Files a save writes besides the manifest's members: checkpoints and the temp files of
+# edgeadapt.atomic (".<name>.<random>.tmp").
+_ORPHAN_FILE = re.compile(r"checkpoint(-\d+-[0-9a-f]+)?|\.(checkpoint(-\d+-[0-9a-f]+)?|manifest\.json)\.\w+\.tmp")
+
+
+def sweep_orphans(bundle_dir: str | os.PathLike, manifest: Manifest) -> list[str]:
+    """Remove what interrupted saves left in a bundle: unreferenced checkpoints, temp files,
+    and abandoned ``.<name>.*.partial`` staging folders beside it. Call with the bundle locked
+    (:func:`bundle_lock`, exclusive). Returns the names removed."""
+    bundle_dir = Path(bundle_dir)
+    keep = set(manifest.files.values()) | set(manifest.sha256)
+    removed = []
+    for f in bundle_dir.iterdir():
+        if f.name not in keep and _ORPHAN_FILE.fullmatch(f.name) and not f.is_dir():
+            f.unlink(missing_ok=True)
+            removed.append(f.name)
+    removed += sweep_stale_stages(bundle_dir)
+    return removed
+
+
+@contextlib.contextmanager
+def bundle_lock(bundle_dir: str | os.PathLike, *, exclusive: bool, blocking: bool = True) -> Iterator[bool]:
+    """Hold an advisory lock on a bundle directory: exclusive to update it, shared to read it.
+
+    Yields:
+        Whether the lock is held (always ``True`` when ``blocking``).
+    """
+    with directory_lock(bundle_dir, exclusive=exclusive, blocking=blocking) as held:
+        yield held
 
 
 def write_manifest(bundle_dir: str | os.PathLike, manifest: Manifest) -> None:

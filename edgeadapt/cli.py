@@ -11,6 +11,7 @@ import importlib
 import json
 import logging
 import sys
+import zipfile
 from pathlib import Path
 
 __all__ = ["main", "build_parser"]
@@ -33,13 +34,44 @@ def _load_factory(spec: str):
         raise ValueError(f"module {mod_name!r} has no attribute {attr!r}") from None
 
 
-def _load_data(args: argparse.Namespace, *, need_labels: bool):
-    """(X, y) from an ``.npz``/``.csv`` in the edgeadapt.datasets formats, X channels-first float32."""
-    from .datasets import load_dataset
+def _window_length(args: argparse.Namespace, manifest) -> int:
+    """Samples per window for continuous data: the bundle's time steps, or ``--window-s`` times
+    ``--sample-rate-hz`` (which must then agree with the bundle)."""
+    steps = manifest.input.shape[-1]
+    if args.window_s is None:
+        if steps is None:
+            raise ValueError("the bundle's input has a dynamic time axis; pass --window-s and --sample-rate-hz")
+        return int(steps)
+    if not args.sample_rate_hz:
+        raise ValueError("--window-s needs --sample-rate-hz")
+    n = round(args.window_s * args.sample_rate_hz)
+    if steps is not None and n != steps:
+        raise ValueError(f"--window-s {args.window_s} at --sample-rate-hz {args.sample_rate_hz} gives {n} samples per "
+                         f"window, the bundle takes {steps}; omit --window-s to use the bundle's")
+    return n
 
+
+def _load_data(args: argparse.Namespace, manifest):
+    """(X, y) from an ``.npz``/``.csv`` in the edgeadapt.datasets formats, checked against the
+    bundle before any session is opened. Continuous data (CSV, ``signal`` npz) are windowed to
+    the bundle's window length."""
+    from .datasets import load_dataset
+    from .runtime.validate import check_inputs, check_labels
+
+    if args.sample_rate_hz is not None and not (args.sample_rate_hz > 0 and args.sample_rate_hz < float("inf")):
+        raise ValueError(f"--sample-rate-hz must be a positive number, got {args.sample_rate_hz}")
+    path = Path(args.data)
     kwargs = {"sample_rate_hz": args.sample_rate_hz} if args.sample_rate_hz else {}
-    ds = load_dataset(args.data, **kwargs)
-    return ds.X, (ds.y if need_labels else None)
+    continuous = path.suffix.lower() == ".csv" or (
+        path.suffix.lower() == ".npz" and path.is_file() and zipfile.is_zipfile(path)
+        and "signal.npy" in zipfile.ZipFile(path).namelist())
+    if continuous:
+        kwargs["window_length_samples"] = _window_length(args, manifest)
+    ds = load_dataset(path, **kwargs)
+    y = ds.y if manifest.label is not None else None
+    check_inputs(manifest, ds.X, what=f"{path} (X)")
+    check_labels(manifest, y, len(ds.X), what=f"{path} (y)")
+    return ds.X, y
 
 
 def _format_bytes(n: int) -> str:
@@ -126,10 +158,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_adapt(args: argparse.Namespace) -> int:
+    from .bundle import read_manifest
     from .runtime import NonFiniteLossError, Runner
+    from .runtime.validate import check_learning_rate
 
+    if args.lr is not None:
+        check_learning_rate(args.lr, "--lr")
+    if args.epochs < 1 or args.batch_size < 1:
+        raise ValueError(f"--epochs and --batch-size must be >= 1, got {args.epochs} and {args.batch_size}")
+    X, y = _load_data(args, read_manifest(args.bundle, verify=False))
     runner = Runner.load(args.bundle, device=args.device, threads=args.threads)
-    X, y = _load_data(args, need_labels=runner.manifest.label is not None)
     print(f"adapting on {runner.device}: {len(X)} windows, {args.epochs} epochs, batch {args.batch_size}")
     try:
         result = runner.adapt(X, y, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
@@ -145,10 +183,11 @@ def cmd_adapt(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
+    from .bundle import read_manifest
     from .runtime import Runner
 
+    X, y = _load_data(args, read_manifest(args.bundle, verify=False))
     runner = Runner.load(args.bundle, device=args.device, threads=args.threads)
-    X, y = _load_data(args, need_labels=runner.manifest.label is not None)
     r = runner.evaluate(X, y)
     result = {"loss": r.loss, "accuracy": r.accuracy, "n_windows": r.n_windows}
     print(json.dumps(result) if args.json else
@@ -183,10 +222,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 # ---- parser ---------------------------------------------------------------------------
 def _add_data(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True,
-                   help=".npz (X: windows x time x channels, y, subject, sample_rate_hz) or .csv; "
-                        "see edgeadapt.datasets")
+                   help=".npz (X: windows x time x channels, y, subject) or .csv (continuous samples, "
+                        "windowed to the bundle's window length); see edgeadapt.datasets")
     p.add_argument("--sample-rate-hz", type=float, default=None,
-                   help="sampling rate, for files that do not store it")
+                   help="sampling rate, for files that do not store it (needed only with --window-s)")
+    p.add_argument("--window-s", type=float, default=None,
+                   help="window length in seconds for continuous data (default: the bundle's window length)")
 
 
 def _add_device(p: argparse.ArgumentParser) -> None:
@@ -310,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     from .bundle import BundleError
 
-    known = (BundleError, ValueError, FileExistsError, FileNotFoundError, RuntimeError)
+    known = (BundleError, ValueError, OSError, RuntimeError)
     try:
         return args.func(args)
     except known as e:

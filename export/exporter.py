@@ -21,6 +21,7 @@ from torch import nn
 
 from ..atomic import staged_directory
 from ..bundle import Manifest, TensorSpec, sha256_file, write_manifest
+from ..onnx_guard import stamp_contract
 from .graph import MAX_IR_VERSION, UnsupportedOpError, module_of_node, to_onnx
 from .objectives import LOSSES, OptimizerConfig, loss_block, optimizer_block, use_torch_adamw
 from ..sched.policy import UpdatePolicy
@@ -190,6 +191,7 @@ def export_bundle(
         draft = _draft_manifest(stage, entries, loss, opt, batchnorm, label, example_input, output, policy)
         session = choose_session(stage, draft, prepared.module, prepared.entries, example_input.numpy())
         manifest = replace(draft, session=session)
+        manifest = stamp_contract(stage, manifest)  # last: the graphs record the final settings
         write_manifest(stage, manifest)
     log.info("exported bundle to %s: %d of %d parameter elements train",
              out_dir, manifest.trainable_numel, manifest.total_numel)

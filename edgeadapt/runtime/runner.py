@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 import secrets
 import shutil
 import tempfile
@@ -26,20 +25,18 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..atomic import atomic_path, staged_directory
-from ..bundle import BundleError, Manifest, read_manifest, sha256_file, write_manifest
+from ..atomic import atomic_path, staged_directory, sweep_stale_stages
+from ..bundle import BundleError, Manifest, bundle_lock, read_manifest, sha256_file, sweep_orphans, write_manifest
+from ..onnx_guard import check_bundle_models
 from .backend import OrtTrainingBackend, TrainingBackend
 from .errors import NonFiniteLossError
-from .validate import check_inputs, check_labels
+from .validate import check_inputs, check_labels, check_learning_rate
 
 __all__ = ["Runner", "AdaptResult", "EvalResult", "SCHEDULES"]
 
 log = logging.getLogger(__name__)
 
 SCHEDULES = ("constant", "cosine")
-_MODEL_ROLES = ("training_model", "eval_model", "optimizer_model", "masks")
-# Checkpoint files the runner writes (and the exporter's "checkpoint"), plus their temp files.
-_CHECKPOINT_FILE = re.compile(r"checkpoint(-\d+-[0-9a-f]+)?|\.checkpoint-\d+-[0-9a-f]+\.\w+\.tmp")
 
 
 @dataclass(frozen=True)
@@ -85,11 +82,15 @@ class Runner:
             threads: intra-op threads; ``None`` lets ONNX Runtime decide.
 
         Raises:
-            BundleError: not a bundle, malformed manifest, missing file or checksum mismatch.
+            BundleError: not a bundle, malformed manifest, missing, oversized or damaged file,
+                checksum mismatch, a path outside the bundle, models that disagree with the
+                manifest or use ops the exporter never writes (see ``docs/bundle-trust.md``).
             DeviceUnavailableError: ``device="cuda"`` and CUDA cannot run the session.
         """
         bundle_dir = Path(bundle_dir)
-        manifest = read_manifest(bundle_dir, verify=True)
+        if not bundle_dir.is_dir():
+            sweep_stale_stages(bundle_dir)  # an interrupted save into a new folder leaves only these
+            raise BundleError(f"{bundle_dir} is not an edgeadapt bundle: no such directory")
         chosen: list[str] = []
 
         def open_backend(checkpoint: Path | None) -> TrainingBackend:
@@ -99,7 +100,23 @@ class Runner:
             chosen[:] = [backend.device]
             return backend
 
-        runner = cls(bundle_dir, manifest, open_backend)
+        # Shared lock: a concurrent in-place save cannot remove the checkpoint being read.
+        with bundle_lock(bundle_dir, exclusive=False):
+            manifest = read_manifest(bundle_dir, verify=True)
+            check_bundle_models(bundle_dir, manifest)
+            try:
+                runner = cls(bundle_dir, manifest, open_backend)
+            except Exception as e:
+                if not type(e).__module__.startswith("onnxruntime"):
+                    raise
+                reason = (str(e).strip().splitlines() or [type(e).__name__])[-1][:300]
+                raise BundleError(
+                    f"{bundle_dir}: ONNX Runtime could not open the models and checkpoint "
+                    f"{manifest.files['checkpoint']} ({reason}); the bundle is damaged - re-export it or restore a copy"
+                ) from None
+        with bundle_lock(bundle_dir, exclusive=True, blocking=False) as free:
+            if free and (removed := sweep_orphans(bundle_dir, manifest)):
+                log.info("%s: removed %s left by an interrupted save", bundle_dir, removed)
         log.info("loaded %s on %s: %d trainable elements", bundle_dir, runner.device, manifest.trainable_numel)
         return runner
 
@@ -120,11 +137,12 @@ class Runner:
         Raises:
             NonFiniteLossError: the loss is NaN/inf; the update is not applied.
         """
+        step_lr = check_learning_rate(self.learning_rate if lr is None else lr)
         loss, _ = self._backend.train_step(x, y)
         if not math.isfinite(loss):
             self._backend.discard_gradients()
             raise NonFiniteLossError(self.step, loss)
-        self._backend.apply_update(self.learning_rate if lr is None else lr)
+        self._backend.apply_update(step_lr)
         self.step += 1
         return loss
 
@@ -155,7 +173,7 @@ class Runner:
             raise ValueError(f"epochs and batch_size must be >= 1, got {epochs} and {batch_size}")
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-        peak_lr = self.learning_rate if lr is None else float(lr)
+        peak_lr = check_learning_rate(self.learning_rate if lr is None else lr)
         n = X.shape[0]
         per_epoch = math.ceil(n / batch_size)
         total = per_epoch * epochs
@@ -251,7 +269,9 @@ class Runner:
         except BundleError:
             return False
         mine = self.manifest
-        return all(theirs.sha256.get(theirs.files[r]) == mine.sha256.get(mine.files[r]) for r in _MODEL_ROLES)
+        roles = (set(mine.files) | set(theirs.files)) - {"checkpoint"}
+        return all(r in theirs.files and r in mine.files
+                   and theirs.sha256.get(theirs.files[r]) == mine.sha256.get(mine.files[r]) for r in roles)
 
     def save(self, out_dir: str | os.PathLike | None = None) -> Path:
         """Save parameters, optimizer state and progress as a bundle; resume with :meth:`load`.
@@ -261,25 +281,34 @@ class Runner:
         a new checkpoint file is written, then the manifest is switched to it atomically, then
         the old checkpoint is removed, so a crash leaves the previous checkpoint loadable.
 
+        Saves into one bundle are serialised by a lock on its directory (concurrent savers take
+        turns, each leaving a consistent bundle); two saves creating the same new directory race
+        for the final rename: one wins, the other raises :class:`FileExistsError`. Whatever an
+        interrupted save left behind is removed by the next save or load.
+
         Raises:
             FileExistsError: ``out_dir`` exists and is not a bundle of the same graphs.
         """
         out = Path(out_dir) if out_dir is not None else self.bundle_dir
         if out.exists():
-            if not self._same_graphs(out):
-                raise FileExistsError(
-                    f"{out} exists and is not a bundle of the same model; choose a new directory or remove it"
-                )
-            name, sha = self._write_checkpoint(out)
-            write_manifest(out, self._state_manifest(name, sha))
-            # Only now is the old checkpoint unreferenced; also sweep orphans of interrupted saves.
-            for f in out.iterdir():
-                if _CHECKPOINT_FILE.fullmatch(f.name) and f.name != name:
-                    f.unlink(missing_ok=True)
+            if not out.is_dir():
+                raise FileExistsError(f"{out} exists and is not a directory; choose a new directory")
+            with bundle_lock(out, exclusive=True):
+                if not self._same_graphs(out):
+                    raise FileExistsError(
+                        f"{out} exists and is not a bundle of the same model; choose a new directory or remove it"
+                    )
+                name, sha = self._write_checkpoint(out)
+                state = self._state_manifest(name, sha)
+                write_manifest(out, state)
+                # Only now is the old checkpoint unreferenced; also sweep orphans of interrupted saves.
+                sweep_orphans(out, state)
         else:
             with staged_directory(out) as stage:
-                for role in _MODEL_ROLES:
-                    shutil.copyfile(self.bundle_dir / self.manifest.files[role], stage / self.manifest.files[role])
+                # Every checksummed member but the checkpoint (names were checked when the manifest was built).
+                for member in self.manifest.sha256:
+                    if member != self.manifest.files["checkpoint"]:
+                        shutil.copyfile(self.bundle_dir / member, stage / member)
                 name, sha = self._write_checkpoint(stage)
                 write_manifest(stage, self._state_manifest(name, sha))
         self.manifest = read_manifest(out, verify=False)

@@ -2,12 +2,31 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..bundle import Manifest
 from .errors import InputError
 
-__all__ = ["check_inputs", "check_labels"]
+__all__ = ["check_inputs", "check_labels", "check_learning_rate"]
+
+
+def check_learning_rate(lr: object, what: str = "lr") -> float:
+    """The learning rate as a float; :class:`InputError` unless it is a finite number > 0.
+
+    (A rate stored in a bundle is also bounded by ``MAX_LR``, checked with the manifest; one
+    given to :meth:`Runner.adapt` may be larger, e.g. to provoke divergence on purpose.)
+    """
+    if isinstance(lr, bool):
+        raise InputError(f"{what} must be a number, got {lr!r}")
+    try:
+        value = float(lr)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise InputError(f"{what} must be a number, got {lr!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise InputError(f"{what} must be a finite number > 0, got {value}")
+    return value
 
 
 def check_inputs(manifest: Manifest, x: np.ndarray, what: str = "X") -> None:
@@ -15,6 +34,8 @@ def check_inputs(manifest: Manifest, x: np.ndarray, what: str = "X") -> None:
     spec = manifest.input
     if not isinstance(x, np.ndarray):
         raise InputError(f"{what} must be a numpy array, got {type(x).__name__}")
+    if x.ndim == 0:
+        raise InputError(f"{what} is a scalar; it must be a batch of windows {list(spec.shape)}")
     if x.dtype != np.dtype(spec.dtype):
         raise InputError(f"{what} has dtype {x.dtype}, the bundle expects {spec.dtype}; convert with {what}.astype(np.{spec.dtype})")
     want = spec.shape
@@ -42,14 +63,21 @@ def check_labels(manifest: Manifest, y: np.ndarray | None, n_windows: int, what:
         raise InputError(f"the bundle's loss {manifest.loss!r} needs labels; pass {what}")
     if not isinstance(y, np.ndarray):
         raise InputError(f"{what} must be a numpy array, got {type(y).__name__}")
+    if y.ndim == 0:
+        raise InputError(f"{what} is a scalar; it must hold one entry per window of X ({n_windows})")
     if y.shape[0] != n_windows:
         raise InputError(f"{what} has {y.shape[0]} entries but X has {n_windows} windows; they must match")
     if manifest.loss == "cross_entropy":
         if not np.issubdtype(y.dtype, np.integer):
             raise InputError(f"{what} must hold integer class indices for cross_entropy, got dtype {y.dtype}")
+        if y.dtype != np.dtype(spec["dtype"]):
+            raise InputError(
+                f"{what} has dtype {y.dtype}, the bundle expects {spec['dtype']} class indices; "
+                f"convert with {what}.astype(np.{spec['dtype']})"
+            )
         if y.ndim != 1:
             raise InputError(f"{what} must have shape (windows,), got {list(y.shape)}")
-        n = spec["n_classes"]
+        n = spec["n_classes"] if spec["n_classes"] is not None else manifest.output.shape[-1]
         lo, hi = int(y.min()), int(y.max())
         if lo < 0 or hi >= n:
             raise InputError(
@@ -62,6 +90,9 @@ def check_labels(manifest: Manifest, y: np.ndarray | None, n_windows: int, what:
         raise InputError(f"{what} has shape {list(y.shape)}, the bundle expects {['batch' if w is None else w for w in want]}")
     if not np.issubdtype(y.dtype, np.floating):
         raise InputError(f"{what} must be float targets for {manifest.loss}, got dtype {y.dtype}")
+    if y.dtype != np.dtype(spec["dtype"]):
+        raise InputError(f"{what} has dtype {y.dtype}, the bundle expects {spec['dtype']}; "
+                         f"convert with {what}.astype(np.{spec['dtype']})")
     if not np.isfinite(y).all():
         raise InputError(f"{what} contains NaN or infinite values")
     if manifest.loss == "bce_with_logits" and (y.min() < 0 or y.max() > 1):

@@ -133,7 +133,6 @@ _NPZ_ERRORS = [
     ("text X", lambda a: a.update(X=np.full((6, 5, 3), "x")), {}, "'X' must hold numbers"),
     ("no windows", lambda a: a.update(X=np.zeros((0, 5, 3)), y=np.zeros(0, np.int64), subject=np.zeros(0, np.int64)),
      {}, "'X' holds no windows"),
-    ("no rate", lambda a: None, {"sample_rate_hz": None}, "no 'sample_rate_hz' in the file; pass sample_rate_hz="),
     ("window length", lambda a: None, {"window_length_samples": 4}, "windowed already"),
     ("channel names", lambda a: None, {"channel_names": ["a"]}, "channel_names has 1 names but X has 3 channels"),
 ]
