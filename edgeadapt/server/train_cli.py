@@ -87,11 +87,12 @@ def _build(args: argparse.Namespace, ctx: DistContext) -> tuple[torch.nn.Module,
 
 
 def _device(args: argparse.Namespace, ctx: DistContext) -> str:
+    """The compute device; each torchrun rank takes its LOCAL_RANK GPU. ``cuda`` without CUDA is
+    passed on so that the trainer raises the runner's ``DeviceUnavailableError``."""
     if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
         return "cpu"
     if not torch.cuda.is_available():
-        raise RuntimeError("--device cuda was requested but torch sees no CUDA device "
-                           "(install a CUDA build of torch, or use --device auto or cpu)")
+        return "cuda"
     return f"cuda:{ctx.local_rank % torch.cuda.device_count()}"
 
 
@@ -196,7 +197,7 @@ def cmd_train(args: argparse.Namespace, echo=print) -> int:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
     run_dir = Path(args.checkpoint_dir)
-    device_type = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
+    device_type = "cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu"
     ctx = init_from_env(device_type)
     try:
         if args.resume and not _has_checkpoint(run_dir):

@@ -97,7 +97,8 @@ def _run(tmp_path: Path, n_proc: int, engine: str, steps: int = 3) -> tuple[dict
 
 def _assert_same_parameters(a: dict, b: dict) -> None:
     # Two ranks sum the gradient in two halves, one process in one reduction: float32 rounding
-    # differs at ~1e-7 relative, and 3 AdamW steps keep it far below 1e-5.
+    # differs at ~1e-7 relative. AdamW normalises each step to about lr (1e-2), so a small
+    # gradient's rounding moves its parameter by up to ~1e-4 * lr: tolerance atol 1e-3 * lr.
     # The key bias is excluded: its exact gradient is zero (softmax ignores a per-query
     # constant), so its float32 gradient is rounding noise that AdamW scales up to steps of lr.
     assert a.keys() == b.keys()
@@ -106,7 +107,7 @@ def _assert_same_parameters(a: dict, b: dict) -> None:
         if name.endswith("attn.qkv.bias"):
             d = x.numel() // 3
             x, y = torch.cat([x[:d], x[2 * d:]]), torch.cat([y[:d], y[2 * d:]])
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.slow

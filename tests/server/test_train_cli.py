@@ -1,0 +1,140 @@
+"""``edgeadapt train``: resumable runs, refused checkpoints, bad input, torchrun, train -> export -> adapt."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from edgeadapt.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+# a 2-block GPT small enough for seconds per run: 64 tokens of vocabulary, context 16, width 32
+TINY_GPT = ["--model", "gpt-nano", "--vocab-size", "64", "--context-len", "16", "--d-model", "32",
+            "--n-layers", "2", "--batch-size", "4", "--lr", "1e-2", "--no-progress"]
+
+
+def _train(run_dir: Path, *extra: str) -> int:
+    return main(["train", *TINY_GPT, "--checkpoint-dir", str(run_dir), *extra])
+
+
+def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "weights.pt", map_location="cpu", weights_only=True)
+
+
+@pytest.mark.parametrize("offload", ["disk", "host"])
+def test_a_run_stopped_and_resumed_ends_where_an_uninterrupted_run_ends(tmp_path, offload, capsys):
+    budget = ["--memory-budget", "1MiB", "--offload", offload]
+    assert _train(tmp_path / "straight", "--steps", "4", *budget) == 0
+    assert _train(tmp_path / "resumed", "--steps", "2", *budget) == 0
+    assert _train(tmp_path / "resumed", "--steps", "4", "--resume", *budget) == 0
+    out = capsys.readouterr().out
+    assert "resuming" in out and "at step 2" in out
+    assert "tokens/s" in out and f"{offload} " in out        # progress: throughput and bytes per tier
+    a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "resumed")
+    assert a.keys() == b.keys()
+    for name in a:                                             # same arithmetic: bit-identical
+        assert torch.equal(a[name], b[name]), name
+    spec = json.loads((tmp_path / "straight" / "model.json").read_text())
+    assert spec["factory"] == "edgeadapt.models:build_gpt" and spec["kwargs"]["n_layers"] == 2
+
+
+def test_the_weights_file_holds_trained_weights_of_the_named_model(tmp_path):
+    from edgeadapt.models import build_gpt
+    from edgeadapt.server.train_cli import load_trained
+
+    assert _train(tmp_path / "run", "--steps", "2", "--offload", "none") == 0
+    model = load_trained(tmp_path / "run")
+    torch.manual_seed(0)
+    initial = build_gpt("gpt-nano", vocab_size=64, context_len=16, d_model=32, n_layers=2)
+    assert type(model) is type(initial)
+    assert not torch.equal(model.head.weight, initial.head.weight)
+    # the checkpoint's latest step is the final step
+    latest = json.loads((tmp_path / "run" / "checkpoints" / "latest.json").read_text())
+    assert latest["step"] == 2
+
+
+def test_resuming_with_other_options_is_refused_with_the_difference_named(tmp_path, capsys):
+    assert _train(tmp_path / "run", "--steps", "1", "--offload", "host") == 0
+    capsys.readouterr()
+    assert _train(tmp_path / "run", "--steps", "2", "--offload", "host", "--resume", "--seed", "9") == 2
+    err = capsys.readouterr().err
+    assert "another run" in err and "seed" in err
+
+
+def test_an_existing_checkpoint_needs_resume_and_resume_needs_a_checkpoint(tmp_path, capsys):
+    assert _train(tmp_path / "run", "--steps", "1", "--offload", "host") == 0
+    assert _train(tmp_path / "run", "--steps", "2", "--offload", "host") == 2
+    assert "pass --resume" in capsys.readouterr().err
+    assert _train(tmp_path / "empty", "--steps", "2", "--resume") == 2
+    assert "no checkpoint" in capsys.readouterr().err
+
+
+def test_a_budget_below_the_largest_block_is_refused_naming_the_block(tmp_path, capsys):
+    assert _train(tmp_path / "run", "--steps", "1", "--offload", "host", "--memory-budget", "8KiB") == 2
+    err = capsys.readouterr().err
+    assert "block" in err and "8.00 KiB" in err
+
+
+def test_cuda_without_cuda_gives_the_runner_s_device_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _train(tmp_path / "run", "--steps", "1", "--device", "cuda") == 2
+    assert "sees no CUDA device" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_train_like_one_process(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    args = [*TINY_GPT, "--steps", "3", "--offload", "disk", "--memory-budget", "1MiB"]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                          "--master-addr=127.0.0.1", f"--master-port={_free_port()}", "-m", "edgeadapt", "train",
+                          *args, "--checkpoint-dir", str(tmp_path / "two")],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-3000:]
+    assert "x 2 process(es)" in two.stdout
+    assert main(["train", *args, "--checkpoint-dir", str(tmp_path / "one")]) == 0
+    a, b = _weights(tmp_path / "two"), _weights(tmp_path / "one")
+    # 2 ranks average two half-batch gradients, 1 process takes the mean at once: float32
+    # rounding of ~1e-7 relative in the gradients. AdamW normalises each step to about lr
+    # (1e-2), so a small gradient's rounding moves its parameter by up to ~1e-4 * lr:
+    # tolerance atol 1e-3 * lr = 1e-5. The key bias, whose exact gradient is zero (softmax
+    # ignores a per-query constant), is left out (pure rounding noise, scaled to steps of lr).
+    for name in a:
+        x, y = a[name], b[name]
+        if name.endswith("attn.qkv.bias"):
+            d = x.numel() // 3
+            x, y = torch.cat([x[:d], x[2 * d:]]), torch.cat([y[:d], y[2 * d:]])
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.slow
+def test_train_then_export_then_adapt_on_the_held_out_subject(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--model", "cnn", "--dataset", "synthetic", "--hold-out-subject", "7", "--steps", "30",
+                 "--batch-size", "64", "--lr", "3e-3", "--memory-budget", "8MiB", "--offload", "disk",
+                 "--checkpoint-dir", str(run), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    export_cmd = next(line for line in out.splitlines() if line.startswith("export it for the device: "))
+    argv = export_cmd.removeprefix("export it for the device: edgeadapt ")
+    factory_kwargs = argv.split("'")[1]
+    parts = argv.split("'")[0].split() + [factory_kwargs] + argv.split("'")[2].split()
+    assert main(parts) == 0
+    assert main(["adapt", str(run / "bundle"), "--data", str(run / "held_out.npz"), "--epochs", "2",
+                 "--out", str(run / "adapted"), "--no-progress", "--device", "cpu"]) == 0
+    capsys.readouterr()
+    assert main(["evaluate", str(run / "adapted"), "--data", str(run / "held_out.npz"), "--json",
+                 "--device", "cpu"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert 0.0 <= report["accuracy"] <= 1.0 and report["n_windows"] == 240
