@@ -1,17 +1,27 @@
-"""Process memory figures from ``/proc/self/status`` (Linux), as DESIGN.md's "Measuring" asks.
+"""Process memory figures from ``/proc/self/status`` (Linux), as docs/design.md's "Measuring" asks.
 
-Peak figures are VmHWM (the resident high-water mark). Writing ``5`` to ``/proc/self/clear_refs``
-resets VmHWM to the current RSS, so a peak *delta* over a baseline state (model loaded, no step
-run) can be taken inside one fresh process.
+Peak figures are given twice:
+
+- *total*: VmHWM (the resident high-water mark, file-backed pages included). Writing ``5`` to
+  ``/proc/self/clear_refs`` resets VmHWM to the current RSS, so a peak *delta* over a baseline
+  state (model loaded, no step run) can be taken inside one fresh process.
+- *anonymous*: the high-water mark of RssAnon (heap, arenas, stacks: what the computation
+  allocates), which the kernel does not keep, so :class:`AnonPeakSampler` samples it from a
+  thread (about every millisecond). Library code paged in on first use is file-backed: it counts
+  in the total but not here.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = ["status_bytes", "rss_bytes", "peak_rss_bytes", "reset_peak_rss", "PeakDelta", "measure_peak"]
+__all__ = ["status_bytes", "status_fields", "rss_bytes", "anon_rss_bytes", "peak_rss_bytes", "reset_peak_rss",
+           "PeakDelta", "measure_peak", "AnonPeakSampler"]
 
 _STATUS = "/proc/self/status"
 
@@ -23,6 +33,30 @@ def status_bytes(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     raise KeyError(f"{field} not found in {_STATUS}")
+
+
+def status_fields(*fields: str) -> dict[str, int]:
+    """Several ``kB`` fields of ``/proc/self/status`` in bytes, from one read.
+
+    Raises:
+        KeyError: a field is not in the file (e.g. ``RssAnon`` before Linux 4.5).
+    """
+    with open(_STATUS) as f:
+        text = f.read()
+    out = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition(":")
+        if name in fields:
+            out[name] = int(rest.split()[0]) * 1024
+    missing = set(fields) - set(out)
+    if missing:
+        raise KeyError(f"{sorted(missing)} not found in {_STATUS}")
+    return out
+
+
+def anon_rss_bytes() -> int:
+    """Resident anonymous memory (RssAnon): what the process allocated, without code or file pages."""
+    return status_bytes("RssAnon")
 
 
 def rss_bytes() -> int:
@@ -45,30 +79,119 @@ def reset_peak_rss() -> bool:
         return False
 
 
+class AnonPeakSampler:
+    """Tracks the high-water mark of RssAnon by reading it from a daemon thread.
+
+    Use as a context manager; ``peak_bytes`` is the largest RssAnon seen (at entry, every
+    ``interval_s`` while the body runs, and at exit). A peak shorter than the interval can be
+    missed, so the figure is a lower bound; ``samples`` says how many reads it rests on. The
+    thread needs the GIL for each read: native code that releases it (ONNX Runtime runs, torch
+    ops) is sampled while it runs; while sampling, the interpreter's switch interval is lowered
+    to ``interval_s`` so pure-Python stretches do not starve the thread.
+    """
+
+    def __init__(self, interval_s: float = 0.001):
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        self.interval_s = interval_s
+        self.baseline_bytes = 0
+        self.peak_bytes = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._switch_s = 0.0
+        self._fd = -1
+
+    def _read(self) -> int:
+        text = os.pread(self._fd, 8192, 0).decode()
+        i = text.index("RssAnon:")
+        return int(text[i + 8:text.index("kB", i)]) * 1024
+
+    def sample(self) -> int:
+        """Read RssAnon now, fold it into the peak and return it."""
+        value = self._read()
+        self.samples += 1
+        if value > self.peak_bytes:
+            self.peak_bytes = value
+        return value
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def __enter__(self) -> AnonPeakSampler:
+        self._fd = os.open(_STATUS, os.O_RDONLY)
+        self.peak_bytes = self.samples = 0
+        self.baseline_bytes = self.sample()
+        self._switch_s = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch_s, self.interval_s))
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="anon-peak-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        sys.setswitchinterval(self._switch_s)
+        self.sample()
+        os.close(self._fd)
+        self._fd = -1
+
+    @property
+    def delta_bytes(self) -> int:
+        """Peak RssAnon over RssAnon at entry."""
+        return max(0, self.peak_bytes - self.baseline_bytes)
+
+
 @dataclass
 class PeakDelta:
-    """Filled in by :func:`measure_peak`: baseline RSS and the peak reached above it."""
+    """Filled in by :func:`measure_peak`: baseline RSS and the peak reached above it.
+
+    ``baseline_bytes``/``peak_bytes`` are total resident memory (VmRSS at entry, VmHWM at
+    exit); ``anon_baseline_bytes``/``anon_peak_bytes`` the sampled RssAnon figures (0 when
+    sampling was not asked for).
+    """
 
     baseline_bytes: int = 0
     peak_bytes: int = 0
     reset_ok: bool = False
+    anon_baseline_bytes: int = 0
+    anon_peak_bytes: int = 0
+    anon_samples: int = 0
 
     @property
     def delta_bytes(self) -> int:
+        """Total: VmHWM over VmRSS at entry."""
         return max(0, self.peak_bytes - self.baseline_bytes)
+
+    @property
+    def anon_delta_bytes(self) -> int:
+        """Anonymous only: sampled peak RssAnon over RssAnon at entry."""
+        return max(0, self.anon_peak_bytes - self.anon_baseline_bytes)
 
 
 @contextlib.contextmanager
-def measure_peak() -> Iterator[PeakDelta]:
+def measure_peak(anon_interval_s: float | None = None) -> Iterator[PeakDelta]:
     """Measure the peak RSS of the body over the RSS just before it.
 
     Without a working VmHWM reset the peak includes everything earlier in the process;
     ``reset_ok`` says which applies.
+
+    Args:
+        anon_interval_s: also sample RssAnon at this interval (an :class:`AnonPeakSampler`) and
+            fill in the anonymous-only figures; ``None`` skips it.
     """
     m = PeakDelta()
     m.reset_ok = reset_peak_rss()
     m.baseline_bytes = rss_bytes()
+    sampler = AnonPeakSampler(anon_interval_s) if anon_interval_s else contextlib.nullcontext()
     try:
-        yield m
+        with sampler:
+            yield m
     finally:
         m.peak_bytes = peak_rss_bytes()
+        if anon_interval_s:
+            m.anon_baseline_bytes, m.anon_peak_bytes = sampler.baseline_bytes, sampler.peak_bytes
+            m.anon_samples = sampler.samples

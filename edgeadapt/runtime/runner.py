@@ -27,9 +27,12 @@ from tqdm.auto import tqdm
 
 from ..atomic import atomic_path, staged_directory, sweep_stale_stages
 from ..bundle import BundleError, Manifest, bundle_lock, read_manifest, sha256_file, sweep_orphans, write_manifest
-from ..onnx_guard import check_bundle_models
 from .backend import OrtTrainingBackend, TrainingBackend
 from .errors import NonFiniteLossError
+from .peaks import AdaptPeaks
+from .rollback import EpochValues
+from .features import PrefixModel, merge_inference, open_prefix, suffix_inputs
+from ..onnx_guard import check_bundle_models
 from .validate import check_inputs, check_labels, check_learning_rate
 
 __all__ = ["Runner", "AdaptResult", "EvalResult", "SCHEDULES"]
@@ -41,12 +44,33 @@ SCHEDULES = ("constant", "cosine")
 
 @dataclass(frozen=True)
 class AdaptResult:
-    """What one :meth:`Runner.adapt` call did."""
+    """What one :meth:`Runner.adapt` call did, and the memory it took.
+
+    Memory figures are measured in the calling process (``None`` where ``/proc`` is missing or
+    no step ran), in bytes above the baseline: the process just before the call, i.e. the
+    loaded runner (parameters, the eval session, and whatever earlier calls left open).
+
+    Attributes:
+        step_peak_bytes: the largest resident high-water mark (VmHWM) reached during any single
+            optimizer step (all its micro-batches' forward/backward and the update), over the
+            baseline; it includes what the call holds at that time (the training session opened
+            by the first step, cached features, the rollback copy).
+        step_peak_anon_bytes: the same for anonymous memory only (sampled RssAnon: heap,
+            arenas; no file-backed library code), a lower bound (sampled every millisecond
+            and at each step's start and end).
+        call_peak_bytes: VmHWM of the whole call over the baseline: feature computation, the
+            training session, every step, rollback copies (and a replay, when one ran).
+        call_peak_anon_bytes: the same for anonymous memory only (sampled RssAnon).
+    """
 
     epochs: int
     steps: int
     epoch_losses: tuple[float, ...]
     time_s: float
+    step_peak_bytes: int | None = None
+    step_peak_anon_bytes: int | None = None
+    call_peak_bytes: int | None = None
+    call_peak_anon_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +85,10 @@ class EvalResult:
 class Runner:
     """On-device adaptation of one bundle. Create it with :meth:`Runner.load`."""
 
+    # The bundle's frozen prefix (``prefix_model``), run as inference in front of the training
+    # graphs; ``None`` when they take the model input directly. Set by :meth:`load`.
+    _prefix: PrefixModel | None = None
+
     def __init__(self, bundle_dir: Path, manifest: Manifest,
                  open_backend: Callable[[Path | None], TrainingBackend]):
         """Prefer :meth:`load`. ``open_backend(checkpoint_path)`` opens a session on the
@@ -69,6 +97,8 @@ class Runner:
         self.manifest = manifest
         self._open_backend = open_backend
         self._backend = open_backend(None)
+        # A checkpoint file equal to the current state (rollback replays from it); None once changed.
+        self._clean_checkpoint: Path | None = self.bundle_dir / manifest.files["checkpoint"]
         self.step = int(manifest.state.get("step", 0))
         self.epoch = int(manifest.state.get("epoch", 0))
 
@@ -106,6 +136,8 @@ class Runner:
             check_bundle_models(bundle_dir, manifest)
             try:
                 runner = cls(bundle_dir, manifest, open_backend)
+                runner._prefix = open_prefix(bundle_dir, manifest, device="cuda" if device == "cuda" else "cpu",
+                                             threads=threads)
             except Exception as e:
                 if not type(e).__module__.startswith("onnxruntime"):
                     raise
@@ -131,42 +163,114 @@ class Runner:
         return float(self.manifest.optimizer["lr"])
 
     # ---- training -------------------------------------------------------------------
-    def train_step(self, x: np.ndarray, y: np.ndarray | None = None, lr: float | None = None) -> float:
-        """One forward/backward/update on a batch; returns the loss before the update.
+    def train_step(self, x: np.ndarray, y: np.ndarray | None = None, lr: float | None = None,
+                   micro_batch: int | None = None) -> float:
+        """One optimizer step on a batch; returns the batch's mean loss before the update.
+
+        With ``micro_batch`` smaller than the batch, the forward/backward runs over slices of at
+        most that many windows and their gradients are accumulated (each slice weighted by its
+        share of the batch, so the step equals one over the whole batch, see
+        :meth:`adapt`) before the one update.
 
         Raises:
             NonFiniteLossError: the loss is NaN/inf; the update is not applied.
+            ValueError: ``micro_batch`` < the batch on a batch-statistics BatchNorm bundle.
         """
         step_lr = check_learning_rate(self.learning_rate if lr is None else lr)
-        loss, _ = self._backend.train_step(x, y)
-        if not math.isfinite(loss):
-            self._backend.discard_gradients()
-            raise NonFiniteLossError(self.step, loss)
-        self._backend.apply_update(step_lr)
+        micro = self._micro_batch(micro_batch, len(x))
+        return self._step(x, y, step_lr, micro)
+
+    def _micro_batch(self, micro_batch: int | None, batch_size: int) -> int:
+        """Windows per forward/backward: ``micro_batch``, else the plan's, else the batch."""
+        if micro_batch is None:
+            micro_batch = (self.manifest.plan or {}).get("micro_batch_windows")
+            if micro_batch is None or self.manifest.batchnorm == "batch":
+                return batch_size
+        if isinstance(micro_batch, bool) or int(micro_batch) != micro_batch or micro_batch < 1:
+            raise ValueError(f"micro_batch must be a positive int, got {micro_batch!r}")
+        micro_batch = int(micro_batch)
+        if micro_batch < batch_size and self.manifest.batchnorm == "batch":
+            raise ValueError(
+                f"micro_batch={micro_batch} is smaller than the batch ({batch_size} windows), but this bundle "
+                "normalises with batch statistics (manifest batchnorm='batch'): every micro-batch would be "
+                "normalised with its own statistics, so the step would differ from one over the batch. "
+                "Use micro_batch=None (or >= batch_size), or export with batchnorm='frozen'")
+        return min(micro_batch, batch_size)
+
+    def _step(self, x: np.ndarray, y: np.ndarray | None, lr: float, micro: int) -> float:
+        """One optimizer step over ``x`` in slices of ``micro`` windows (gradient accumulation).
+
+        The loss is a mean over the windows a ``train_step`` sees, and ONNX Runtime adds each
+        call's gradients into the kept ones. For the whole batch of ``n`` windows the gradient is
+        the sum over slices of ``(b_i / n) * g_i`` (``g_i`` the mean-loss gradient of slice ``i``
+        of ``b_i`` windows). The kept buffer holds that sum divided by the current slice's weight
+        ``w_i = b_i / n``: before a slice whose weight differs from the previous one it is rescaled
+        by ``w_prev / w_i``, and after the last slice by ``w_last``. Equal slices therefore cost
+        one rescale per step, and one slice (no micro-batching) none: then the step is exactly
+        the plain one.
+        """
+        n = len(x)
+        loss_sum, prev_w = 0.0, None
+        for start in range(0, n, micro):
+            part = slice(start, min(n, start + micro))
+            w = (part.stop - part.start) / n
+            if prev_w is not None and w != prev_w:
+                self._backend.scale_gradients(prev_w / w)
+            loss, _ = self._backend.train_step(x[part], None if y is None else y[part])
+            if not math.isfinite(loss):
+                self._backend.discard_gradients()
+                raise NonFiniteLossError(self.step, loss)
+            loss_sum += loss * (part.stop - part.start)
+            prev_w = w
+        self._backend.scale_gradients(prev_w)
+        self._backend.apply_update(lr)
+        self._clean_checkpoint = None
         self.step += 1
-        return loss
+        return loss_sum / n
 
     def adapt(
         self, X: np.ndarray, y: np.ndarray | None = None, *, epochs: int = 1, batch_size: int = 32,
         lr: float | None = None, schedule: str = "constant", shuffle: bool = True, seed: int = 0,
-        progress: bool = True,
+        progress: bool = True, micro_batch: int | None = None,
     ) -> AdaptResult:
         """Adapt on ``X`` (and ``y`` unless the loss is label-free) for ``epochs`` passes.
 
-        Data are validated against the manifest before the first step. A non-finite loss stops
-        with :class:`NonFiniteLossError` after rolling parameters and optimizer state back to the
-        start of the failing epoch (a checkpoint kept in a temporary file for that purpose).
+        Data are validated against the manifest before the first step. The training session
+        (gradient buffers, optimizer state) opens inside the first call, so the call's measured
+        memory covers it.
+
+        A non-finite loss stops with :class:`NonFiniteLossError` after rolling parameters *and*
+        optimizer state back to the start of the failing epoch. No checkpoint is written per
+        epoch: the runner keeps a copy of the values that training changes (the trained tensors
+        and, with batch-statistics BatchNorm, the running statistics), and on failure re-opens
+        the checkpoint the call started from (the bundle's own file when the runner is unchanged
+        since :meth:`load` or :meth:`save`; otherwise one written at the call's start) and
+        replays this call's completed epochs, which are deterministic. The replayed values are
+        checked bit for bit against the kept copy (on a mismatch they are restored from the copy
+        and a warning says the optimizer state may differ slightly).
+
+        ``lr=0`` runs :meth:`update_bn_statistics` instead (no backward, no optimizer).
 
         Args:
             X: float32 windows, shape as exported (batch axis first).
             y: labels as the bundle's loss needs them, or ``None`` for a label-free loss.
             epochs: passes over the data.
-            batch_size: windows per step; the last batch may be smaller.
+            batch_size: windows per optimizer step; the last batch may be smaller.
             lr: peak learning rate; default: the one exported with the bundle.
             schedule: ``constant`` or ``cosine`` decay to zero over this call's steps.
             shuffle: reshuffle each epoch (seeded by ``seed`` and the epoch index).
             progress: show a progress bar.
+            micro_batch: windows per forward/backward inside a step (gradients accumulate over a
+                step's micro-batches; the update is the whole batch's); default: the manifest
+                plan's ``micro_batch_windows`` when present, else the whole batch. Refused below
+                the batch size for a batch-statistics BatchNorm bundle.
+
+        Returns:
+            What the call did, with its measured memory (see :class:`AdaptResult`).
         """
+        if lr is not None and not isinstance(lr, bool) and isinstance(lr, (int, float)) and lr == 0:
+            return self.update_bn_statistics(X, y, epochs=epochs, batch_size=batch_size, shuffle=shuffle,
+                                             seed=seed, progress=progress)
         check_inputs(self.manifest, X)
         check_labels(self.manifest, y, X.shape[0])
         if epochs < 1 or batch_size < 1:
@@ -174,28 +278,39 @@ class Runner:
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         peak_lr = check_learning_rate(self.learning_rate if lr is None else lr)
+        micro = self._micro_batch(micro_batch, min(batch_size, X.shape[0]))
         n = X.shape[0]
         per_epoch = math.ceil(n / batch_size)
         total = per_epoch * epochs
+
+        def batches(epoch: int) -> list[np.ndarray]:
+            order = np.random.default_rng(seed + epoch).permutation(n) if shuffle else np.arange(n)
+            return [order[b * batch_size:(b + 1) * batch_size] for b in range(per_epoch)]
+
+        def step_lr(done: int) -> float:
+            return peak_lr if schedule == "constant" else 0.5 * peak_lr * (1 + math.cos(math.pi * done / total))
+
         losses = []
         start = time.perf_counter()
         done = 0
-        with (tqdm(total=total, desc="adapt", unit="step", disable=not progress, leave=False) as bar,
+        with (AdaptPeaks() as peaks,
+              tqdm(total=total, desc="adapt", unit="step", disable=not progress, leave=False) as bar,
               tempfile.TemporaryDirectory(prefix="edgeadapt-rollback-") as scratch):
-            snapshot = Path(scratch) / "epoch_start.ckpt"
+            # With a prefix model: every window's features once per call, then the suffix trains on them.
+            X = suffix_inputs(self._prefix, X, micro)
+            call_start = (self.step, self.epoch)
+            source = self._rollback_source(Path(scratch))
+            self._backend.open_training()
             for e in range(epochs):
-                self._backend.save_checkpoint(snapshot)
+                kept = EpochValues.take(self._backend, self._mutable_tensors())
                 start_step, start_epoch = self.step, self.epoch
-                order = np.random.default_rng(seed + self.epoch).permutation(n) if shuffle else np.arange(n)
                 epoch_loss = 0.0
-                for b in range(per_epoch):
-                    idx = order[b * batch_size:(b + 1) * batch_size]
-                    step_lr = peak_lr if schedule == "constant" else 0.5 * peak_lr * (1 + math.cos(math.pi * done / total))
+                for idx in batches(self.epoch):
                     try:
-                        loss = self.train_step(X[idx], None if y is None else y[idx], step_lr)
+                        with peaks.step():
+                            loss = self._step(X[idx], None if y is None else y[idx], step_lr(done), micro)
                     except NonFiniteLossError as err:
-                        self._backend = self._open_backend(snapshot)
-                        self.step, self.epoch = start_step, start_epoch
+                        self._roll_back(source, call_start, e, batches, step_lr, X, y, micro, kept)
                         raise NonFiniteLossError(err.step, err.loss, restored_step=start_step) from None
                     epoch_loss += loss * len(idx)
                     done += 1
@@ -204,7 +319,106 @@ class Runner:
                 self.epoch += 1
                 losses.append(epoch_loss / n)
                 log.info("epoch %d: mean loss %.4f", self.epoch, losses[-1])
-        return AdaptResult(epochs, done, tuple(losses), time.perf_counter() - start)
+                del kept
+        return AdaptResult(epochs, done, tuple(losses), time.perf_counter() - start, **vars(peaks.result()))
+
+    # ---- rollback -------------------------------------------------------------------
+    def _mutable_tensors(self) -> list[str]:
+        """Graph tensors a training step can change: the trained ones and, with batch-statistics
+        BatchNorm, the running statistics (the only frozen tensors a step writes)."""
+        names = self._backend.parameter_names(trainable_only=True)
+        if self.manifest.batchnorm == "batch":
+            names += [n for n in self._backend.parameter_names() if n.endswith(("running_mean", "running_var"))]
+        return names
+
+    def _rollback_source(self, scratch: Path) -> Path:
+        """A checkpoint file holding the state at the call's start, written only when none exists."""
+        if self._clean_checkpoint is not None and self._clean_checkpoint.is_file():
+            return self._clean_checkpoint
+        path = scratch / "call_start.ckpt"
+        self._backend.save_checkpoint(path)
+        return path
+
+    def _roll_back(self, source: Path, call_start: tuple[int, int], failed_epoch: int, batches, step_lr,
+                   X: np.ndarray, y: np.ndarray | None, micro: int, kept: EpochValues) -> None:
+        """Restore the state at the start of this call's epoch ``failed_epoch`` (see :meth:`adapt`)."""
+        self._backend.close()
+        self._backend = self._open_backend(source)
+        self._backend.open_training()
+        self.step, self.epoch = call_start
+        done = 0
+        for _ in range(failed_epoch):
+            for idx in batches(self.epoch):
+                self._step(X[idx], None if y is None else y[idx], step_lr(done), micro)
+                done += 1
+            self.epoch += 1
+        if self._clean_checkpoint is None and failed_epoch == 0 and source.name != "call_start.ckpt":
+            self._clean_checkpoint = source
+        differ = kept.differing(self._backend)
+        if differ:
+            log.warning("rollback: replaying this call's epochs did not reproduce %s bit for bit; their values "
+                        "are restored from the kept copy, the optimizer state may differ slightly", differ)
+            kept.restore(self._backend)
+
+    # ---- label-free BatchNorm statistics ----------------------------------------------
+    def update_bn_statistics(self, X: np.ndarray, y: np.ndarray | None = None, *, epochs: int = 1,
+                             batch_size: int = 32, shuffle: bool = True, seed: int = 0,
+                             progress: bool = True) -> AdaptResult:
+        """Re-estimate BatchNorm running statistics on ``X``, forward only (label-free "bn-stats").
+
+        Runs the training graph's forward in batch-statistics mode over the same batches
+        :meth:`adapt` would (same shuffling), updating the running mean and variance after each
+        batch exactly as a training step does, with no backward pass, no gradient buffers and no
+        optimizer (parameters and optimizer state are untouched; the training session is not
+        opened). Needs a bundle exported with ``batchnorm="batch"``; on a frozen-statistics
+        bundle nothing changes. ``step`` counts the batches, as :meth:`adapt` does.
+
+        Args:
+            X: float32 windows.
+            y: labels, only to report the loss of a labelled bundle (``None``: losses are NaN).
+            epochs, batch_size, shuffle, seed, progress: as for :meth:`adapt`.
+
+        Raises:
+            NonFiniteLossError: a batch gave non-finite statistics; the statistics are rolled
+                back to the start of the epoch.
+        """
+        check_inputs(self.manifest, X)
+        if y is not None or self.manifest.label is None:
+            check_labels(self.manifest, y, X.shape[0])
+        if epochs < 1 or batch_size < 1:
+            raise ValueError(f"epochs and batch_size must be >= 1, got {epochs} and {batch_size}")
+        if self.manifest.batchnorm != "batch":
+            log.info("the bundle normalises with frozen statistics; update_bn_statistics changes nothing")
+        n = X.shape[0]
+        per_epoch = math.ceil(n / batch_size)
+        losses, start = [], time.perf_counter()
+        with (AdaptPeaks() as peaks,
+              tqdm(total=per_epoch * epochs, desc="bn-stats", unit="batch", disable=not progress, leave=False) as bar):
+            X = suffix_inputs(self._prefix, X, batch_size)
+            for e in range(epochs):
+                stats = [n for n in self._backend.parameter_names() if n.endswith(("running_mean", "running_var"))]
+                kept = EpochValues.take(self._backend, stats)
+                start_step = self.step
+                order = np.random.default_rng(seed + self.epoch).permutation(n) if shuffle else np.arange(n)
+                total = 0.0
+                for b in range(per_epoch):
+                    idx = order[b * batch_size:(b + 1) * batch_size]
+                    with peaks.step():
+                        loss, applied = self._backend.update_statistics(X[idx], None if y is None else y[idx])
+                    labels_known = y is not None or self.manifest.label is None
+                    if not applied or (labels_known and not math.isfinite(loss)):
+                        kept.restore(self._backend)
+                        failed, self.step = self.step, start_step
+                        raise NonFiniteLossError(failed, loss if not math.isfinite(loss) else float("nan"),
+                                                 restored_step=start_step)
+                    self._clean_checkpoint = None
+                    self.step += 1
+                    total += loss * len(idx)
+                    bar.update(1)
+                self.epoch += 1
+                losses.append(total / n)
+        return AdaptResult(epochs, per_epoch * epochs, tuple(losses), time.perf_counter() - start,
+                           **vars(peaks.result()))
 
     # ---- inference ------------------------------------------------------------------
     def _dummy_labels(self, n: int) -> np.ndarray | None:
@@ -217,7 +431,8 @@ class Runner:
     def predict(self, X: np.ndarray, batch_size: int = 256) -> np.ndarray:
         """Model outputs (logits) for ``X`` with the current parameters, eval mode."""
         check_inputs(self.manifest, X)
-        outs = [self._backend.forward(X[i:i + batch_size], self._dummy_labels(len(X[i:i + batch_size])))[1]
+        outs = [self._backend.forward(suffix_inputs(self._prefix, X[i:i + batch_size], batch_size),
+                                      self._dummy_labels(len(X[i:i + batch_size])))[1]
                 for i in range(0, len(X), batch_size)]
         return np.concatenate(outs, axis=0)
 
@@ -229,7 +444,7 @@ class Runner:
         for i in range(0, len(X), batch_size):
             xb = X[i:i + batch_size]
             yb = y[i:i + batch_size] if y is not None else None
-            loss, out = self._backend.forward(xb, yb)
+            loss, out = self._backend.forward(suffix_inputs(self._prefix, xb, batch_size), yb)
             total_loss += loss * len(xb)
             outputs.append(out)
         logits = np.concatenate(outputs, axis=0)
@@ -242,7 +457,10 @@ class Runner:
         for e in self.manifest.parameters:
             if (trainable_only and not e.trainable_numel) or not e.onnx_names:
                 continue  # not trained, or not in the graph at all (unused by the forward)
-            if e.is_split:
+            frozen_in_prefix = {} if self._prefix is None or e.trainable_numel else self._prefix.initializers()
+            if e.onnx_names.get("value") in frozen_in_prefix:
+                out[e.name] = frozen_in_prefix[e.onnx_names["value"]].copy()
+            elif e.is_split:
                 names = e.onnx_names
                 both = np.concatenate([self._backend.get_tensor(names["trained"]), self._backend.get_tensor(names["frozen"])])
                 out[e.name] = both[self._backend.get_tensor(names["index"])]
@@ -312,6 +530,7 @@ class Runner:
                 name, sha = self._write_checkpoint(stage)
                 write_manifest(stage, self._state_manifest(name, sha))
         self.manifest = read_manifest(out, verify=False)
+        self._clean_checkpoint = out / self.manifest.files["checkpoint"]
         self.bundle_dir = out
         log.info("saved step %d to %s", self.step, out)
         return out
@@ -321,5 +540,11 @@ class Runner:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(path) as tmp:
-            self._backend.export_inference(tmp, [self.manifest.output.name])
+            if self._prefix is None:
+                self._backend.export_inference(tmp, [self.manifest.output.name])
+            else:  # the adapted suffix behind the frozen prefix, as one model
+                with tempfile.TemporaryDirectory(prefix="edgeadapt-export-") as scratch:
+                    suffix = Path(scratch) / "suffix.onnx"
+                    self._backend.export_inference(suffix, [self.manifest.output.name])
+                    merge_inference(self._prefix.path, suffix, tmp)
         return path
