@@ -1,0 +1,244 @@
+"""Server offload planning: which tier holds each block, what is prefetched, what is recomputed.
+
+The streaming trainer (``edgeadapt.server``) keeps the master copy of every parameter, its
+AdamW state and, between steps, nothing else outside the compute device's *budget*: a block's
+weights come into the compute tier just before it runs, its gradient leaves as soon as it is
+produced, and the optimizer updates the block on the CPU. :func:`plan_offload` decides, for a
+block graph (one :class:`~edgeadapt.sched.ir.Op` per block) and a budget:
+
+* the tier of every parameter (``host`` or ``disk``; all of a model's state lives there);
+* the execution and prefetch order (``Plan.order``) and how many blocks are brought in ahead
+  of use (``Plan.prefetch_depth``);
+* per block, whether its saved activations are kept from forward to backward or recomputed
+  from the block's input (``Plan.activations``);
+* the predicted peak of the compute tier and where it occurs.
+
+The cost model (what the executor reserves, per step of ``b`` windows):
+
+* always: ``resident_bytes`` (buffers, e.g. BatchNorm statistics) and the input batch;
+* forward of block ``k``: activations kept by blocks before ``k``, block ``k``'s weights, the
+  weights of the next ``prefetch_depth`` blocks, and block ``k``'s saved tensors and output;
+* backward of block ``k``: activations of blocks up to ``k``, the recomputed saved tensors of
+  ``k`` (when recomputed), the gradient flowing in and out, block ``k``'s weights and
+  gradients, the prefetched weights, and, when the optimizer runs in the compute tier's own
+  memory (a CPU run from the disk tier), the staged master weights and optimizer state.
+
+A kept block holds ``saved + output`` bytes per window until its backward; a recomputed
+block keeps only its output (the next block's input) and rebuilds the rest in backward.
+
+Pure Python (no torch): the planner never touches tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .ir import Graph
+from .plan import Action, Mode, ParamPlan, Peak, Plan, Tier, format_bytes
+
+__all__ = ["BudgetExceeded", "BlockCost", "block_costs", "plan_offload", "offload_peak", "OPTIMIZER_STATE_COPIES"]
+
+OPTIMIZER_STATE_COPIES = {"adamw": 2, "sgd": 0}
+"""Optimizer-state tensors per parameter tensor (AdamW: first and second moment)."""
+
+
+class BudgetExceeded(ValueError):
+    """A plan needs more memory than the budget allows; carries the numbers.
+
+    Attributes:
+        need_bytes: what the smallest plan (or the named block) needs.
+        have_bytes: the budget.
+        tier: the tier whose budget is exceeded (``"compute"``).
+        block: the block that alone cannot fit, if that is the cause.
+    """
+
+    def __init__(self, message: str, *, need_bytes: int, have_bytes: int, tier: str = "compute",
+                 block: str | None = None):
+        super().__init__(message)
+        self.need_bytes, self.have_bytes, self.tier, self.block = int(need_bytes), int(have_bytes), tier, block
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """Bytes one block needs in the compute tier for a step of ``b`` windows.
+
+    Attributes:
+        name: the block (op) name.
+        weight_bytes: its parameters.
+        grad_bytes: its gradients (same as ``weight_bytes``).
+        staging_bytes: master weights + optimizer state staged for the update in the compute
+            tier's memory (0 when the update runs elsewhere).
+        saved_bytes: what its backward keeps (``b`` windows).
+        output_bytes: its output (``b`` windows).
+        input_bytes: its input (``b`` windows): the previous block's output or the batch.
+    """
+
+    name: str
+    weight_bytes: int
+    grad_bytes: int
+    staging_bytes: int
+    saved_bytes: int
+    output_bytes: int
+    input_bytes: int
+
+    @property
+    def update_bytes(self) -> int:
+        """What the block alone holds while its gradient exists: weights, gradients, staging."""
+        return self.weight_bytes + self.grad_bytes + self.staging_bytes
+
+
+def block_costs(graph: Graph, batch_windows: int, *, optimizer: str = "adamw",
+                staging: bool = False) -> list[BlockCost]:
+    """Per-block byte counts in execution order.
+
+    Args:
+        graph: one op per block (``edgeadapt.server.trace.trace_graph``).
+        batch_windows: windows per step.
+        optimizer: ``"adamw"`` or ``"sgd"`` (optimizer-state copies per parameter).
+        staging: the update stages master weights and optimizer state in the compute tier's
+            memory (True for a CPU run whose state lives on disk).
+    """
+    if optimizer not in OPTIMIZER_STATE_COPIES:
+        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATE_COPIES)}, got {optimizer!r}")
+    out: list[BlockCost] = []
+    prev_out = graph.input_bytes
+    for op in graph.ops:
+        w = sum(graph.param(p).param_bytes for p in op.params)
+        st = w * (1 + OPTIMIZER_STATE_COPIES[optimizer]) if staging else 0
+        out.append(BlockCost(op.name, w, w, st, op.saved_bytes * batch_windows, op.output_bytes * batch_windows,
+                             prev_out * batch_windows))
+        prev_out = op.output_bytes
+    return out
+
+
+def offload_peak(costs: list[BlockCost], recompute: list[bool], prefetch_depth: int, *,
+                 fixed_bytes: int) -> Peak:
+    """The compute-tier peak of one step under the cost model in the module docstring.
+
+    Args:
+        costs: from :func:`block_costs`.
+        recompute: per block, True when its activations are recomputed.
+        prefetch_depth: blocks brought in ahead of use.
+        fixed_bytes: held throughout (buffers and the input batch).
+    """
+    n = len(costs)
+    act = [c.output_bytes + (0 if r else c.saved_bytes) for c, r in zip(costs, recompute)]
+    best = (fixed_bytes, "start")
+    phases = {"forward": 0, "backward": 0}
+    held = 0
+    for k, c in enumerate(costs):
+        ahead = sum(x.weight_bytes for x in costs[k + 1:k + 1 + prefetch_depth])
+        total = fixed_bytes + held + c.weight_bytes + ahead + c.saved_bytes + c.output_bytes
+        phases["forward"] = max(phases["forward"], total)
+        if total > best[0]:
+            best = (total, f"forward:{c.name}")
+        held += act[k]
+    for k in range(n - 1, -1, -1):
+        c = costs[k]
+        ahead = sum(x.weight_bytes for x in costs[max(0, k - prefetch_depth):k])
+        held_upto = sum(act[: k + 1])
+        rebuilt = c.saved_bytes if recompute[k] else 0
+        total = (fixed_bytes + held_upto + rebuilt + c.output_bytes + c.input_bytes + c.update_bytes + ahead)
+        phases["backward"] = max(phases["backward"], total)
+        if total > best[0]:
+            best = (total, f"backward:{c.name}")
+    return Peak(best[0], best[1], phases)
+
+
+def plan_offload(graph: Graph, budget_bytes: int, *, batch_windows: int = 1, tier: str = "host",
+                 optimizer: str = "adamw", recompute: bool | str | None = None, prefetch_depth: int = 1,
+                 resident_bytes: int = 0, staging: bool | None = None) -> Plan:
+    """Plan a streaming training step of ``graph`` under ``budget_bytes`` of compute memory.
+
+    Args:
+        graph: a block graph (one op per block).
+        budget_bytes: the compute tier's budget for everything the executor holds there.
+        batch_windows: windows per step.
+        tier: where master weights and optimizer state live: ``"host"`` or ``"disk"``.
+        optimizer: ``"adamw"`` or ``"sgd"``.
+        recompute: ``False``/``None``: keep every block's activations; ``True``: recompute
+            every block; ``"auto"``: keep what fits, recomputing the blocks with the most saved
+            bytes first.
+        prefetch_depth: blocks to bring in ahead of use; lowered (to 0 at the least) when the
+            requested depth does not fit.
+        resident_bytes: bytes held in the compute tier for the whole step (module buffers).
+        staging: the update stages master weights and optimizer state in compute memory;
+            default: True exactly for the disk tier (a CPU run; pass False for a GPU run,
+            whose update stages in host memory).
+
+    Returns:
+        A :class:`Plan` with every parameter ``full`` on ``tier``, ``order`` = block order,
+        ``activations`` per block, and the predicted peak.
+
+    Raises:
+        BudgetExceeded: one block's weights, gradients and staged state alone exceed the
+            budget (the error names the block), or no recompute/prefetch choice fits.
+        ValueError: an unknown tier, optimizer or recompute value.
+    """
+    if tier not in ("host", "disk"):
+        raise ValueError(f"tier must be 'host' or 'disk', got {tier!r}")
+    if recompute not in (None, False, True, "auto"):
+        raise ValueError(f"recompute must be False, True or 'auto', got {recompute!r}")
+    if prefetch_depth < 0 or batch_windows < 1 or budget_bytes <= 0:
+        raise ValueError("prefetch_depth must be >= 0, batch_windows >= 1 and budget_bytes > 0")
+    staging = (tier == "disk") if staging is None else staging
+    costs = block_costs(graph, batch_windows, optimizer=optimizer, staging=staging)
+    fixed = resident_bytes + graph.input_bytes * batch_windows
+
+    worst = max(costs, key=lambda c: c.update_bytes)
+    if fixed + worst.update_bytes > budget_bytes:
+        parts = f"weights {format_bytes(worst.weight_bytes)} + gradients {format_bytes(worst.grad_bytes)}"
+        if worst.staging_bytes:
+            parts += f" + staged master weights and {optimizer} state {format_bytes(worst.staging_bytes)}"
+        if fixed:
+            parts += f" + always-resident buffers and input {format_bytes(fixed)}"
+        need = fixed + worst.update_bytes
+        raise BudgetExceeded(
+            f"block {worst.name!r} alone needs {format_bytes(need)} ({parts}) but the memory budget is "
+            f"{format_bytes(budget_bytes)}; raise the budget to at least {format_bytes(need)} plus room for "
+            "activations, or split the block into smaller modules", need_bytes=need, have_bytes=budget_bytes,
+            block=worst.name)
+
+    n = len(costs)
+    if recompute is True:
+        rec = [True] * n
+    else:
+        rec = [False] * n
+    depth = prefetch_depth
+
+    def peak() -> Peak:
+        return offload_peak(costs, rec, depth, fixed_bytes=fixed)
+
+    p = peak()
+    if recompute == "auto":
+        for k in sorted(range(n), key=lambda i: -costs[i].saved_bytes):
+            if p.peak_bytes <= budget_bytes:
+                break
+            if costs[k].saved_bytes == 0:
+                continue
+            rec[k] = True
+            q = peak()
+            if q.peak_bytes < p.peak_bytes:
+                p = q
+            else:
+                rec[k] = False
+    while p.peak_bytes > budget_bytes and depth > 0:
+        depth -= 1
+        p = peak()
+    if p.peak_bytes > budget_bytes:
+        hint = ("" if recompute == "auto" or all(rec) else
+                "; recompute='auto' (or True) trades compute for activation memory")
+        raise BudgetExceeded(
+            f"one step of {batch_windows} windows needs {format_bytes(p.peak_bytes)} of compute memory at "
+            f"{p.where}, over the budget of {format_bytes(budget_bytes)}; lower the batch size or raise the "
+            f"budget{hint}", need_bytes=p.peak_bytes, have_bytes=budget_bytes)
+
+    ptier = Tier(tier)
+    return Plan(
+        graph=graph.name,
+        params=tuple(ParamPlan(p_.name, Mode.FULL, None, ptier) for p_ in graph.params),
+        cut=-1, batch_windows=batch_windows, micro_batch_windows=batch_windows, n_windows=batch_windows,
+        activations=tuple((c.name, Action.RECOMPUTE if r else Action.KEEP) for c, r in zip(costs, rec)),
+        order=tuple(op.name for op in graph.ops), prefetch_depth=depth, optimizer=optimizer,
+        budget_bytes=budget_bytes, predicted=p,
+    )

@@ -1,0 +1,21 @@
+"""Server-side full training: every parameter, streamed between compute, host memory and disk.
+
+See ``docs/server.md``. The planner is :func:`edgeadapt.sched.offload.plan_offload`; this
+package carries its plans out with torch.
+"""
+
+from ..sched.offload import BudgetExceeded
+from .checkpoint import CheckpointMismatch
+from .executor import StreamingExecutor
+from .optim import OptimizerSpec
+from .residency import MemoryLedger, Residency
+from .store import DiskStore, HostStore, OffloadDirError
+from .trace import Block, BlockError, find_blocks, trace_graph
+from .trainer import LOSSES, Trainer, resolve_device
+
+__all__ = [
+    "Trainer", "OptimizerSpec", "LOSSES", "resolve_device",
+    "BudgetExceeded", "CheckpointMismatch", "OffloadDirError", "BlockError",
+    "StreamingExecutor", "MemoryLedger", "Residency", "HostStore", "DiskStore",
+    "Block", "find_blocks", "trace_graph",
+]

@@ -1,0 +1,469 @@
+"""The streaming executor: runs a model block by block with its state outside the compute tier.
+
+Each block (see :mod:`edgeadapt.server.trace`) is wrapped so that calling it inside the
+model's own ``forward`` goes through one ``torch.autograd.Function``:
+
+* **forward**: the block's weights are brought into the compute tier (already in flight when
+  the previous block prefetched them), the block runs on them, and the weights are released.
+  With ``keep`` the block's autograd graph is kept (its weights' storage is freed and brought
+  back for backward, so saved views stay valid); with ``recompute`` it runs without a graph
+  and only its inputs are kept.
+* **backward**: the weights come back, the block's gradient is computed (re-running its
+  forward from the saved input first, with the same random numbers, when recomputed), the
+  gradient leaves the compute tier, passes ``reduce(block_name, grads)`` (a no-op unless a
+  process group is set) and the optimizer updates that block's master copy on the CPU
+  straight away. Then weights and gradients are released.
+
+So each block's update happens as soon as its gradient exists, which gives the same result as
+one optimizer step after the whole backward (no block's backward reads another block's
+weights). A block must run once per forward; gradient clipping by the global norm is not
+possible in this scheme.
+
+Every byte the executor holds in the compute tier is reserved in the
+:class:`~edgeadapt.server.residency.MemoryLedger` before it is allocated (weights, prefetched
+weights, gradients, staged optimizer state) or charged as soon as it exists (activations:
+every tensor autograd saves inside a block, the blocks' outputs, and what the ops between
+blocks save), released when freed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
+
+from ..sched.plan import Action, Plan
+from .optim import OptimizerSpec, update_block
+from .residency import MemoryLedger, Residency
+from .store import StateStore
+from .trace import Block
+
+__all__ = ["StreamingExecutor", "BlockSlot", "ReduceFn"]
+
+log = logging.getLogger(__name__)
+
+ReduceFn = Callable[[str, list[torch.Tensor]], None]
+
+
+def _no_reduce(block_name: str, grads: list[torch.Tensor]) -> None:
+    """Default gradient reduction: nothing (one process)."""
+
+
+@dataclass
+class BlockSlot:
+    """One block's layout and working state.
+
+    Attributes:
+        index: position in the block list (the store's key).
+        name: module path.
+        module: the block module (its own parameters are empty placeholders).
+        local_names: parameter names relative to the block.
+        shapes: parameter shapes.
+        offsets: start of each parameter in the flat vector.
+        numel: elements of the flat vector.
+        state: residency.
+        flat: compute-tier flat weights (``None`` when offloaded).
+        leaves: per-parameter views of ``flat`` that require grad.
+    """
+
+    index: int
+    name: str
+    module: nn.Module
+    local_names: tuple[str, ...]
+    shapes: tuple[torch.Size, ...]
+    offsets: tuple[int, ...]
+    numel: int
+    state: Residency = Residency.OFFLOADED
+    flat: torch.Tensor | None = None
+    leaves: list[torch.Tensor] | None = None
+    future: Future | None = None
+    event: object = None
+    steps: list[int] = field(default_factory=list)
+
+    @property
+    def weight_bytes(self) -> int:
+        return 4 * self.numel
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[o:o + s.numel()].view(s) for o, s in zip(self.offsets, self.shapes)]
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+class _BlockFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, runner, anchor, *inputs):  # noqa: D401 - autograd protocol
+        return runner.forward(ctx, inputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, *ctx.runner.backward(ctx, grads))
+
+
+class StreamingExecutor:
+    """Runs a model's blocks from a :class:`StateStore` under a :class:`MemoryLedger`.
+
+    Args:
+        blocks: the model's blocks (``find_blocks``); their parameters must be float32.
+        store: master weights and optimizer state (filled by :meth:`load_weights`).
+        ledger: the compute tier's account.
+        device: the compute device.
+        plan: the offload plan (order, prefetch depth, keep/recompute per block).
+        optimizer: hyper-parameters.
+        reduce: gradient reduction hook, called before each block's update.
+    """
+
+    def __init__(self, blocks: list[Block], store: StateStore, ledger: MemoryLedger, device: torch.device,
+                 plan: Plan, optimizer: OptimizerSpec, reduce: ReduceFn | None = None):
+        self.store, self.ledger, self.device, self.optimizer = store, ledger, device, optimizer
+        self.reduce: ReduceFn = reduce or _no_reduce
+        self.lr = optimizer.lr
+        self.slots: list[BlockSlot] = []
+        for i, b in enumerate(blocks):
+            named = list(b.module.named_parameters())
+            shapes = tuple(p.shape for _, p in named)
+            offsets, o = [], 0
+            for s in shapes:
+                offsets.append(o)
+                o += s.numel()
+            self.slots.append(BlockSlot(i, b.name, b.module, tuple(n for n, _ in named), shapes, tuple(offsets), o,
+                                        steps=[0] * len(named)))
+        self._by_name = {s.name: s for s in self.slots}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgeadapt-prefetch")
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.set_plan(plan)
+        self._originals: dict[int, Callable] = {}
+        self._ran: set[int] = set()
+        self._act_keys: dict[int, set[int]] = {}
+        self._anchor = torch.zeros((), requires_grad=True)
+
+    # ---- setup ------------------------------------------------------------------------
+    def set_plan(self, plan: Plan) -> None:
+        """Adopt a (re-)plan: order, prefetch depth and keep/recompute per block."""
+        self.plan = plan
+        order = [self._by_name[n].index for n in plan.order] if plan.order else [s.index for s in self.slots]
+        self.schedule = order + order[::-1]
+        self.depth = plan.prefetch_depth
+        self.recompute = {self._by_name[n].index for n in plan.recomputed}
+
+    def load_weights(self, params: dict[str, torch.Tensor]) -> None:
+        """Fill the store from full parameter tensors (``block.local`` names) and zero the
+        optimizer state."""
+        for s in self.slots:
+            flat = torch.empty(s.numel, dtype=torch.float32)
+            for v, n in zip(s.views(flat), s.local_names):
+                v.copy_(params[f"{s.name}.{n}"].detach().to(torch.float32))
+            self.store.write(s.index, "param", flat)
+            for k in self.optimizer.state_kinds:
+                self.store.write(s.index, k, torch.zeros(s.numel, dtype=torch.float32))
+
+    def install(self) -> None:
+        """Route each block's calls through the executor and drop its own parameter storage."""
+        for s in self.slots:
+            if s.index in self._originals:
+                continue
+            mod = s.module
+            self._originals[s.index] = type(mod).forward.__get__(mod)
+            for n in s.local_names:
+                owner, _, leaf = n.rpartition(".")
+                m = mod.get_submodule(owner) if owner else mod
+                m._parameters[leaf] = nn.Parameter(torch.empty(0), requires_grad=True)
+            mod.forward = self._make_forward(s)
+
+    def _make_forward(self, slot: BlockSlot):
+        def forward(*args, **kwargs):
+            return self._call_block(slot, args, kwargs)
+        return forward
+
+    # ---- residency ----------------------------------------------------------------------
+    def _load(self, slot: BlockSlot):
+        """Read the block's master weights into the compute tier (runs on the prefetch thread).
+
+        A block whose kept autograd graph still refers to its (emptied) weight storage gets the
+        weights back into that same storage; otherwise a new vector is allocated.
+
+        Returns:
+            ``(flat, event)``: the weights and, on a GPU, the event that marks the copy done.
+        """
+        refill = slot.flat is not None
+        if refill:
+            st = slot.flat.untyped_storage()
+            st.resize_(slot.weight_bytes)
+            dst = torch.empty(0, dtype=torch.float32, device=self.device).set_(st, 0, (slot.numel,))
+        else:
+            dst = torch.empty(slot.numel, dtype=torch.float32, device=self.device)
+        ev = None
+        with torch.no_grad():
+            if self.device.type == "cpu":
+                self.store.read(slot.index, "param", out=dst)
+            else:
+                host = self.store.read(slot.index, "param")
+                if not host.is_pinned():
+                    host = host.pin_memory()
+                with torch.cuda.stream(self._copy_stream):
+                    dst.copy_(host, non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(self._copy_stream)
+                ev.synchronize()  # the pinned source must outlive the copy
+        return (slot.flat if refill else dst), ev
+
+    def prefetch(self, index: int) -> None:
+        """Start bringing block ``index`` in (no-op unless offloaded)."""
+        slot = self.slots[index]
+        if slot.state is not Residency.OFFLOADED:
+            return
+        self.ledger.reserve(f"weights:{slot.name}", slot.weight_bytes)
+        slot.state = Residency.INFLIGHT
+        slot.future = self._pool.submit(self._load, slot)
+
+    def acquire(self, index: int) -> BlockSlot:
+        """Block ``index`` resident (waiting for its prefetch, or loading it now)."""
+        slot = self.slots[index]
+        if slot.state is Residency.OFFLOADED:
+            self.prefetch(index)
+        if slot.state is Residency.INFLIGHT:
+            flat, ev = slot.future.result()
+            slot.future = None
+            if ev is not None:
+                torch.cuda.current_stream(self.device).wait_event(ev)
+            if slot.flat is None:
+                slot.flat = flat
+                slot.leaves = [v.requires_grad_() for v in slot.views(flat)]
+            slot.state = Residency.RESIDENT
+        return slot
+
+    def release(self, index: int, *, keep_storage_object: bool = False) -> None:
+        """Free block ``index``'s compute copy. ``keep_storage_object``: free the bytes but keep
+        the tensors (a kept autograd graph refers to them; the next load refills them)."""
+        slot = self.slots[index]
+        if slot.state is Residency.INFLIGHT:
+            slot.future.result()
+            slot.future = None
+        if keep_storage_object and slot.flat is not None:
+            slot.flat.untyped_storage().resize_(0)
+        else:
+            slot.flat, slot.leaves = None, None
+        self.ledger.release(f"weights:{slot.name}")
+        slot.state = Residency.OFFLOADED
+
+    def _prefetch_after(self, pos: int) -> None:
+        seen = {self.schedule[pos]}
+        for j in range(pos + 1, min(len(self.schedule), pos + 1 + self.depth)):
+            k = self.schedule[j]
+            if k not in seen:
+                self.prefetch(k)
+                seen.add(k)
+
+    def _position(self, index: int, backward: bool) -> int:
+        n = len(self.schedule) // 2
+        half = self.schedule[n:] if backward else self.schedule[:n]
+        try:
+            return half.index(index) + (n if backward else 0)
+        except ValueError:
+            return len(self.schedule)
+
+    # ---- the step ---------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        self._ran.clear()
+        self._act_keys.clear()
+        self._act_ptrs: dict[int, int] = {}
+        self.prefetch(self.schedule[0])
+        self._prefetch_after(0)
+
+    def end_step(self) -> None:
+        """Release whatever the step left behind (prefetches for blocks that did not run)."""
+        for s in self.slots:
+            if s.state is not Residency.OFFLOADED or s.flat is not None:
+                self.release(s.index)
+        for k in list(self._act_keys):
+            self.ledger.release(f"activations:{self.slots[k].name}")
+        self._act_keys.clear()
+
+    def charge_activations(self, owner: str, tensors: list[torch.Tensor]) -> None:
+        """Charge the storages among ``tensors`` not yet charged this step to ``owner``."""
+        total = 0
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            ptr = _storage_ptr(t)
+            if ptr and ptr not in self._act_ptrs:
+                self._act_ptrs[ptr] = _storage_bytes(t)
+                total += self._act_ptrs[ptr]
+        if total:
+            self.ledger.reserve(f"activations:{owner}", total)
+
+    def _call_block(self, slot: BlockSlot, args: tuple, kwargs: dict):
+        if slot.index in self._ran:
+            raise RuntimeError(f"block {slot.name!r} ran twice in one step; the streaming trainer updates each "
+                               "block once per step, so a block may be called only once per forward")
+        self._ran.add(slot.index)
+        tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        runner = _Call(self, slot, args, kwargs, tensor_pos)
+        # the anchor requires grad so that the block's backward runs even when no input needs a
+        # gradient (the first block): the block's parameters are not inputs of the Function
+        outs = _BlockFn.apply(runner, self._anchor, *[args[i] for i in tensor_pos])
+        return outs[0] if runner.single else outs
+
+    def _run(self, slot: BlockSlot, args: tuple, kwargs: dict, params: list[torch.Tensor],
+             buffers: dict[str, torch.Tensor] | None = None):
+        mapping = dict(zip(slot.local_names, params))
+        if buffers:
+            mapping.update(buffers)
+        with _reparametrize_module(slot.module, mapping, strict=False):
+            return self._originals[slot.index](*args, **kwargs)
+
+    def update(self, slot: BlockSlot, grads: list[torch.Tensor | None]) -> None:
+        """Reduce ``grads`` and apply the optimizer to the block's master copy."""
+        present = [i for i, g in enumerate(grads) if g is not None]
+        gl = [grads[i] for i in present]
+        self.reduce(slot.name, gl)
+        if self.device.type != "cpu":
+            gl = [g.to("cpu") for g in gl]
+            self.ledger.release(f"grads:{slot.name}")
+        staged = not self.store.in_place() and self.device.type == "cpu"
+        kinds = ("param", *self.optimizer.state_kinds)
+        if staged:
+            self.ledger.reserve(f"staging:{slot.name}", slot.weight_bytes * len(kinds))
+        try:
+            flats = {k: self.store.read(slot.index, k) for k in kinds}
+            views = {k: slot.views(v) for k, v in flats.items()}
+            for i in present:
+                slot.steps[i] += 1
+            update_block(self.optimizer, [views["param"][i] for i in present], gl,
+                         {k: [views[k][i] for i in present] for k in self.optimizer.state_kinds},
+                         [slot.steps[i] for i in present], lr=self.lr)
+            if not self.store.in_place():
+                for k in kinds:
+                    self.store.write(slot.index, k, flats[k])
+            del flats, views
+        finally:
+            self.ledger.release(f"staging:{slot.name}")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class _Call:
+    """One call of one block: carries state from the autograd forward to its backward."""
+
+    def __init__(self, ex: StreamingExecutor, slot: BlockSlot, args: tuple, kwargs: dict, tensor_pos: list[int]):
+        self.ex, self.slot, self.args, self.kwargs, self.tensor_pos = ex, slot, args, kwargs, tensor_pos
+        self.single = True
+
+    def _args_with(self, tensors) -> tuple:
+        args = list(self.args)
+        for i, t in zip(self.tensor_pos, tensors):
+            args[i] = t
+        return tuple(args)
+
+    def forward(self, ctx, inputs: tuple[torch.Tensor, ...]):
+        ex, slot = self.ex, self.slot
+        ctx.runner = self
+        ex.acquire(slot.index)
+        ex._prefetch_after(ex._position(slot.index, backward=False))
+        self.recompute = slot.index in ex.recompute
+        if self.recompute:
+            self.rng = _rng_state(ex.device)
+            with torch.no_grad():
+                out = ex._run(slot, self._args_with(inputs), self.kwargs, slot.leaves)
+            self.inputs = inputs
+            outs = _as_tuple(out)
+            ex.charge_activations(slot.name, list(outs))
+            ex.release(slot.index)
+        else:
+            xs = [t.detach().requires_grad_(t.requires_grad or ctx.needs_input_grad[2 + j])
+                  if t.is_floating_point() else t.detach() for j, t in enumerate(inputs)]
+            saved: list[torch.Tensor] = []
+            skip = {_storage_ptr(slot.flat)} | {_storage_ptr(t) for t in inputs}
+            skip |= {_storage_ptr(b) for b in slot.module.buffers()}
+
+            def pack(t):
+                if _storage_ptr(t) not in skip:
+                    saved.append(t)
+                return t
+
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = ex._run(slot, self._args_with(xs), self.kwargs, slot.leaves)
+            outs = _as_tuple(out)
+            self.xs, self.inner = xs, outs
+            ex.charge_activations(slot.name, saved + list(outs))
+            ex.release(slot.index, keep_storage_object=True)
+        self.single = isinstance(out, torch.Tensor)
+        ex._act_keys.setdefault(slot.index, set())
+        result = tuple(o.detach() for o in outs)
+        nondiff = [o for o in result if not o.is_floating_point()]
+        if nondiff:
+            ctx.mark_non_differentiable(*nondiff)
+        return result
+
+    def backward(self, ctx, grads):
+        ex, slot = self.ex, self.slot
+        ex.acquire(slot.index)
+        ex._prefetch_after(ex._position(slot.index, backward=True))
+        need_in = [bool(n) for n in ctx.needs_input_grad[2:]]
+        if self.recompute:
+            xs = [t.detach().requires_grad_(need) if t.is_floating_point() else t.detach()
+                  for t, need in zip(self.inputs, need_in)]
+            buffers = {n: b.clone() for n, b in slot.module.named_buffers()}
+            with _fork_rng(ex.device, self.rng), torch.enable_grad():
+                outs = _as_tuple(ex._run(slot, self._args_with(xs), self.kwargs, slot.leaves, buffers))
+            self.inputs = None
+        else:
+            xs, outs = self.xs, self.inner
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        wrt_in = [x for x, need in zip(xs, need_in) if need and x.requires_grad]
+        ex.ledger.reserve(f"grads:{slot.name}", slot.weight_bytes)
+        try:
+            if pairs:
+                got = torch.autograd.grad([o for o, _ in pairs], slot.leaves + wrt_in, [g for _, g in pairs],
+                                          allow_unused=True)
+            else:
+                got = (None,) * (len(slot.leaves) + len(wrt_in))
+            del pairs, outs
+            self.xs = self.inner = None
+            pgrads, igrads = list(got[:len(slot.leaves)]), list(got[len(slot.leaves):])
+            del got
+            ex.release(slot.index)
+            ex.ledger.release(f"activations:{slot.name}")
+            ex._act_keys.pop(slot.index, None)
+            ex.update(slot, pgrads)
+            del pgrads
+        finally:
+            ex.ledger.release(f"grads:{slot.name}")
+        it = iter(igrads)
+        return tuple(next(it) if need and x.requires_grad else None for x, need in zip(xs, need_in))
+
+
+def _as_tuple(out) -> tuple[torch.Tensor, ...]:
+    if isinstance(out, torch.Tensor):
+        return (out,)
+    if isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in out):
+        return tuple(out)
+    raise TypeError(f"a streamed block must return a tensor or a tuple of tensors, got {type(out).__name__}")
+
+
+def _rng_state(device: torch.device):
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+@contextlib.contextmanager
+def _fork_rng(device: torch.device, state):
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
+        yield

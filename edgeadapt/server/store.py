@@ -1,0 +1,192 @@
+"""Where master weights and optimizer state live between uses: host memory or files on disk.
+
+A block's state is a few flat float32 vectors (``param``; ``exp_avg`` and ``exp_avg_sq`` for
+AdamW), one per *kind*. :class:`HostStore` keeps them as tensors in RAM (page-locked when the
+compute device is a GPU, so copies to it can run asynchronously). :class:`DiskStore` keeps one
+file per block and kind and reads and writes them explicitly; after each read and write it
+advises the kernel to drop the file's pages (``posix_fadvise(DONTNEED)`` where available), so
+what keeps the state out of RAM is the design, not the page cache.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from ..sched.plan import format_bytes
+
+__all__ = ["StateStore", "HostStore", "DiskStore", "OffloadDirError", "KINDS"]
+
+log = logging.getLogger(__name__)
+
+KINDS = ("param", "exp_avg", "exp_avg_sq")
+
+
+class OffloadDirError(OSError):
+    """The disk tier's folder cannot hold the state (read-only, not a folder, or too full)."""
+
+
+class StateStore:
+    """Flat float32 vectors per (block, kind).
+
+    Args:
+        numels: element count of each block's flat vector.
+        kinds: the kinds stored (``param`` plus the optimizer's state).
+    """
+
+    tier = "host"
+
+    def __init__(self, numels: list[int], kinds: tuple[str, ...]):
+        self.numels = list(numels)
+        self.kinds = tuple(kinds)
+
+    @property
+    def total_bytes(self) -> int:
+        return 4 * sum(self.numels) * len(self.kinds)
+
+    def read(self, block: int, kind: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The flat vector; ``out`` (float32, right size) receives it when given."""
+        raise NotImplementedError
+
+    def write(self, block: int, kind: str, flat: torch.Tensor) -> None:
+        """Replace the stored vector with ``flat`` (a CPU float32 vector)."""
+        raise NotImplementedError
+
+    def in_place(self) -> bool:
+        """True when :meth:`read` returns the stored tensor itself (updates land without write)."""
+        return False
+
+    def close(self) -> None:
+        """Release files or memory."""
+
+
+class HostStore(StateStore):
+    """State in host memory.
+
+    Args:
+        numels: element count per block.
+        kinds: stored kinds.
+        pin: page-lock the tensors (for asynchronous copies to a GPU).
+    """
+
+    tier = "host"
+
+    def __init__(self, numels: list[int], kinds: tuple[str, ...], *, pin: bool = False):
+        super().__init__(numels, kinds)
+        self._t = {(b, k): torch.zeros(n, dtype=torch.float32, pin_memory=pin)
+                   for b, n in enumerate(self.numels) for k in self.kinds}
+
+    def read(self, block: int, kind: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        t = self._t[(block, kind)]
+        if out is None:
+            return t
+        return out.copy_(t)
+
+    def write(self, block: int, kind: str, flat: torch.Tensor) -> None:
+        t = self._t[(block, kind)]
+        if flat.data_ptr() != t.data_ptr():
+            t.copy_(flat)
+
+    def in_place(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self._t.clear()
+
+
+def _bytes_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor as a writable memoryview (no numpy: ``Tensor.numpy``
+    would make the storage non-resizable, and the executor frees weight storage by resizing)."""
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+def _drop_cache(fd: int) -> None:
+    if hasattr(os, "posix_fadvise"):
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:  # some filesystems do not support the advice; it is only advice
+            pass
+
+
+def check_offload_dir(path: Path, need_bytes: int) -> None:
+    """Fail before training when ``path`` cannot hold ``need_bytes`` of state files.
+
+    Raises:
+        OffloadDirError: not creatable, not writable, or less free space than needed.
+    """
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OffloadDirError(e.errno or errno.EIO, f"the disk tier's folder {str(path)!r} cannot be created "
+                              f"({e.strerror or e}); choose a writable offload_dir / --checkpoint-dir") from None
+    probe = path / ".edgeadapt-write-probe"
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise OffloadDirError(e.errno or errno.EIO, f"the disk tier's folder {str(path)!r} is not writable "
+                              f"({e.strerror or e}); choose a writable offload_dir") from None
+    finally:
+        try:
+            probe.unlink()
+        except OSError:
+            pass
+    free = shutil.disk_usage(path).free
+    if free < need_bytes:
+        raise OffloadDirError(errno.ENOSPC, f"the disk tier needs {format_bytes(need_bytes)} in {str(path)!r} but "
+                              f"only {format_bytes(free)} is free; free space or choose another offload_dir")
+
+
+class DiskStore(StateStore):
+    """State in files ``<dir>/<block index>.<kind>.f32`` (raw little-endian float32).
+
+    Args:
+        numels: element count per block.
+        kinds: stored kinds.
+        directory: the folder; created; checked for room before anything is written.
+    """
+
+    tier = "disk"
+
+    def __init__(self, numels: list[int], kinds: tuple[str, ...], directory: str | os.PathLike):
+        super().__init__(numels, kinds)
+        self.directory = Path(directory)
+        check_offload_dir(self.directory, self.total_bytes)
+        self._paths = {(b, k): self.directory / f"{b:05d}.{k}.f32" for b in range(len(self.numels)) for k in self.kinds}
+
+    def read(self, block: int, kind: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        n = self.numels[block]
+        if out is None:
+            out = torch.empty(n, dtype=torch.float32)
+        with open(self._paths[(block, kind)], "rb", buffering=0) as f:
+            got = f.readinto(_bytes_view(out))
+            _drop_cache(f.fileno())
+        if got != 4 * n:
+            raise OSError(errno.EIO, f"{self._paths[(block, kind)]} holds {got} bytes, expected {4 * n}; the "
+                          "offload folder was changed while training")
+        return out
+
+    def write(self, block: int, kind: str, flat: torch.Tensor) -> None:
+        flat = flat.detach().contiguous()
+        with open(self._paths[(block, kind)], "wb", buffering=0) as f:
+            mv = _bytes_view(flat)
+            while mv:
+                mv = mv[f.write(mv):]
+            _drop_cache(f.fileno())
+
+    def close(self) -> None:
+        for p in self._paths.values():
+            try:
+                p.unlink()
+            except OSError:
+                pass
+        log.debug("removed the disk tier's files in %s", self.directory)

@@ -1,0 +1,458 @@
+"""The server-side ``Trainer``: full training of every parameter, streamed through a budget.
+
+Typical use::
+
+    from edgeadapt.server import Trainer
+    t = Trainer(model, loss="cross_entropy", optimizer="adamw", memory_budget="64MiB",
+                offload="disk", offload_dir="runs/x/state", device="auto", example_input=x)
+    loss = t.step(x, y)               # one optimizer step
+    t.tracked_peak_bytes              # most bytes ever held in the compute tier
+    t.save_checkpoint("runs/x/ckpt")  # atomic, resumable with Trainer.resume
+
+With ``offload="host"`` or ``"disk"`` the :class:`~edgeadapt.server.executor.StreamingExecutor`
+keeps master weights and AdamW state in that tier and streams blocks through the compute
+device as :func:`edgeadapt.sched.offload.plan_offload` decides; ``offload=None`` trains in
+memory with ``torch.optim.AdamW(foreach=True)`` (the baseline, and what a model that fits
+uses). The trainer takes the model over: with offload its parameters' storage is dropped and
+:meth:`Trainer.model` returns a module with the current weights.
+
+Gradient reduction: before each block's optimizer update the trainer calls
+``self._reduce(block_name, grads)``, a no-op by default. With ``process_group`` it becomes
+``edgeadapt.server.distributed.allreduce_gradients(block_name, grads, group=process_group)``,
+which must average ``grads`` in place across the group.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..sched.ir import Graph
+from ..sched.offload import BudgetExceeded, plan_offload
+from ..sched.plan import Plan, format_bytes, parse_bytes
+from . import checkpoint as _ckpt
+from .executor import StreamingExecutor
+from .optim import OptimizerSpec, as_optimizer_spec
+from .residency import MemoryLedger, Residency
+from .store import DiskStore, HostStore
+from .trace import Block, find_blocks, trace_graph
+
+__all__ = ["Trainer", "resolve_device", "LOSSES"]
+
+log = logging.getLogger(__name__)
+
+LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "cross_entropy": lambda out, y: nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)),
+    "mse": nn.functional.mse_loss,
+    "bce_with_logits": nn.functional.binary_cross_entropy_with_logits,
+}
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``"auto"`` -> CUDA when torch sees a GPU, else CPU; ``"cuda"`` without one raises.
+
+    Raises:
+        DeviceUnavailableError: ``"cuda"`` (or ``"cuda:N"``) requested and torch has no CUDA
+            device (the same error class as the on-device runner's).
+        ValueError: an unknown device string.
+    """
+    name = str(device)
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cpu":
+        return torch.device("cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            from ..runtime.errors import DeviceUnavailableError
+
+            raise DeviceUnavailableError(
+                f"device {name!r} was requested but this torch build ({torch.__version__}) sees no CUDA device; "
+                "install a CUDA build of torch on a machine with a GPU, or use --device cpu / device='cpu'")
+        return torch.device(name)
+    raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+class Trainer:
+    """Full training of ``model`` under a compute-memory budget, optionally offloaded.
+
+    Args:
+        model: the model; every parameter is trained; parameters must be float32 and sit in
+            blocks (see :func:`edgeadapt.server.trace.find_blocks`).
+        loss: ``"cross_entropy"``, ``"mse"``, ``"bce_with_logits"`` or ``fn(output, target)``.
+        optimizer: ``"adamw"``/``"sgd"``, an ``OptimizerConfig`` or an :class:`OptimizerSpec`.
+        memory_budget: compute-tier budget (``"64MiB"`` or bytes); ``None``: unlimited.
+        offload: ``"host"``, ``"disk"`` or ``None`` (train in memory).
+        offload_dir: the disk tier's folder (required for ``"disk"``).
+        device: ``"auto"``, ``"cpu"`` or ``"cuda"``.
+        recompute: ``False``, ``True`` or ``"auto"`` (recompute only what the budget needs).
+        process_group: a ``torch.distributed`` group to average gradients over.
+        example_input: one batch (or tuple of inputs) to trace the model; the first
+            :meth:`step` batch is used when omitted.
+        prefetch_depth: blocks brought in ahead of use (lowered by the planner if needed).
+
+    Raises:
+        BudgetExceeded: the budget cannot hold the largest block (named), or one step.
+        OffloadDirError: the disk tier's folder is not writable or too full.
+        DeviceUnavailableError: ``device="cuda"`` without CUDA.
+    """
+
+    def __init__(self, model: nn.Module, loss: str | Callable = "cross_entropy", optimizer=None, *,
+                 memory_budget: int | str | None = None, offload: str | None = "host",
+                 offload_dir: str | os.PathLike | None = None, device: str = "auto",
+                 recompute: bool | str = False, process_group=None, example_input=None, prefetch_depth: int = 1):
+        if offload not in ("host", "disk", None):
+            raise ValueError(f"offload must be 'host', 'disk' or None, got {offload!r}")
+        if recompute not in (False, True, "auto"):
+            raise ValueError(f"recompute must be False, True or 'auto', got {recompute!r}")
+        if offload == "disk" and offload_dir is None:
+            raise ValueError("offload='disk' needs offload_dir, the folder for the state files")
+        self.device = resolve_device(device)
+        self.spec: OptimizerSpec = as_optimizer_spec("adamw" if optimizer is None else optimizer)
+        if isinstance(loss, str):
+            if loss not in LOSSES:
+                raise ValueError(f"loss must be one of {sorted(LOSSES)} or a callable, got {loss!r}")
+            self.loss_name, self.loss_fn = loss, LOSSES[loss]
+        else:
+            self.loss_name, self.loss_fn = getattr(loss, "__name__", "custom"), loss
+        self.offload, self.recompute, self.prefetch_depth = offload, recompute, int(prefetch_depth)
+        self.budget_bytes = None if memory_budget is None else parse_bytes(memory_budget)
+        self.ledger = MemoryLedger(self.budget_bytes)
+        self.step_count = 0
+        self.checkpoint_extra: dict = {}
+        self._reduce: Callable[[str, list[torch.Tensor]], None] = lambda name, grads: None
+        if process_group is not None:
+            from .distributed import allreduce_gradients
+
+            self._reduce = lambda name, grads: allreduce_gradients(name, grads, group=process_group)
+        self.process_group = process_group
+
+        self.blocks: list[Block] = find_blocks(model)
+        bad = [n for n, p in model.named_parameters() if p.dtype != torch.float32]
+        if bad:
+            raise TypeError(f"parameters {bad[:4]} are not float32; the trainer keeps float32 master weights "
+                            "(convert with model.float())")
+        self.param_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        self._model = model
+        self._graph: Graph | None = None
+        self._plans: dict[int, Plan] = {}
+        model.train()
+        self.buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+        if example_input is not None:
+            self._graph = trace_graph(model, example_input, self.blocks)
+
+        if offload is None:
+            self.executor = None
+            model.to(self.device)
+            params = [p for p in model.parameters()]
+            if self.spec.name == "adamw":
+                self._opt = torch.optim.AdamW(params, lr=self.spec.lr, betas=self.spec.betas, eps=self.spec.eps,
+                                              weight_decay=self.spec.weight_decay, foreach=True)
+            else:
+                self._opt = torch.optim.SGD(params, lr=self.spec.lr, foreach=True)
+            state_copies = 1 + len(self.spec.state_kinds)
+            need = self.buffer_bytes + sum(4 * p.numel() for p in params) * (1 + state_copies)
+            if self.budget_bytes is not None and need > self.budget_bytes:
+                raise BudgetExceeded(
+                    f"in-memory training holds {format_bytes(need)} of weights, gradients and {self.spec.name} state, "
+                    f"over the budget of {format_bytes(self.budget_bytes)}; use offload='host' or 'disk'",
+                    need_bytes=need, have_bytes=self.budget_bytes)
+            self.ledger.reserve("buffers", self.buffer_bytes)
+            self.ledger.reserve("weights", sum(4 * p.numel() for p in params))
+            self.ledger.reserve("optimizer", sum(4 * p.numel() for p in params) * len(self.spec.state_kinds))
+            self.store = None
+        else:
+            numels = [sum(p.numel() for p in b.module.parameters()) for b in self.blocks]
+            kinds = ("param", *self.spec.state_kinds)
+            if offload == "disk":
+                self.store = DiskStore(numels, kinds, offload_dir)
+            else:
+                self.store = HostStore(numels, kinds, pin=self.device.type == "cuda")
+            if self._graph is not None:
+                self._plan_for(int(_tensors(example_input)[0].shape[0]))
+            self.executor = StreamingExecutor(self.blocks, self.store, self.ledger, self.device,
+                                              self._plans.get(self._first_batch(), None) or self._default_plan(),
+                                              self.spec, reduce=lambda name, grads: self._reduce(name, grads))
+            self.executor.load_weights(dict(model.named_parameters()))
+            self.executor.install()
+            for mod in model.modules():
+                for name, b in list(mod._buffers.items()):
+                    if b is not None:
+                        mod._buffers[name] = b.to(self.device)
+            self.ledger.reserve("buffers", self.buffer_bytes)
+
+    # ---- planning ---------------------------------------------------------------------
+    def _first_batch(self) -> int:
+        return next(iter(self._plans), 0)
+
+    def _default_plan(self) -> Plan:
+        from ..sched.plan import Mode, ParamPlan, Tier
+
+        return Plan(graph=type(self._model).__name__,
+                    params=tuple(ParamPlan(n, Mode.FULL, None, Tier(self.offload)) for n in self.param_shapes),
+                    order=tuple(b.name for b in self.blocks), prefetch_depth=self.prefetch_depth)
+
+    def _plan_for(self, batch: int) -> Plan | None:
+        if self.offload is None:
+            return None
+        if batch not in self._plans:
+            self._plans[batch] = plan_offload(
+                self._graph, self.budget_bytes or 2**62, batch_windows=batch, tier=self.offload,
+                optimizer=self.spec.name, recompute="auto" if self.recompute == "auto" else bool(self.recompute),
+                prefetch_depth=self.prefetch_depth, resident_bytes=self.buffer_bytes,
+                staging=self.offload == "disk" and self.device.type == "cpu")
+            p = self._plans[batch]
+            log.info("offload plan for %d windows: predicted peak %s at %s, prefetch %d, recompute %s",
+                     batch, format_bytes(p.predicted.peak_bytes), p.predicted.where, p.prefetch_depth,
+                     list(p.recomputed))
+        return self._plans[batch]
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan of the latest batch size (``None`` in memory)."""
+        return self.executor.plan if self.executor is not None else None
+
+    @property
+    def lr(self) -> float:
+        return self.executor.lr if self.executor is not None else self._opt.param_groups[0]["lr"]
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        if self.executor is not None:
+            self.executor.lr = float(value)
+        else:
+            for g in self._opt.param_groups:
+                g["lr"] = float(value)
+
+    # ---- training ---------------------------------------------------------------------
+    def step(self, x, y) -> float:
+        """One optimizer step on the batch ``(x, y)``; returns the loss (before the update).
+
+        Raises:
+            FloatingPointError: the loss is NaN or infinite (no update applied).
+            BudgetExceeded: this batch size does not fit the budget.
+        """
+        xs = [t.to(self.device) for t in _tensors(x)]
+        x = xs[0] if isinstance(x, torch.Tensor) else type(x)(xs)
+        y = y.to(self.device)
+        batch = int(xs[0].shape[0])
+        if self._graph is None:
+            self._graph = trace_graph(self._model, x, self.blocks)
+        in_bytes = sum(t.numel() * t.element_size() for t in xs) + y.numel() * y.element_size()
+        outside: list[torch.Tensor] = []
+        ex = self.executor
+        if ex is not None:
+            ex.set_plan(self._plan_for(batch))
+        self.ledger.reserve("input", in_bytes)
+        try:
+            if ex is not None:
+                ex.begin_step()
+
+            def pack(t):
+                outside.append(t)
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = self._model(*xs) if isinstance(x, (tuple, list)) else self._model(x)
+                loss = self.loss_fn(out, y)
+            if ex is not None:
+                ex.charge_activations("outside", outside + _tensors(out) + [loss])
+            else:
+                self._charge_in_memory(outside + _tensors(out))
+            del out
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise FloatingPointError(f"loss became {value} at step {self.step_count + 1}; no update was applied. "
+                                         "Lower the learning rate or check the data for extreme values")
+            if ex is None:
+                self._opt.zero_grad(set_to_none=True)
+                self.ledger.reserve("grads", sum(4 * p.numel() for p in self._model.parameters()))
+            loss.backward()
+            del loss, outside
+            if ex is None:
+                for b in self.blocks:
+                    grads = [p.grad for p in b.module.parameters() if p.grad is not None]
+                    self._reduce(b.name, grads)
+                self._opt.step()
+                self._opt.zero_grad(set_to_none=True)
+        finally:
+            if ex is not None:
+                ex.end_step()
+                self.ledger.release("activations:outside")
+            else:
+                self.ledger.release("grads")
+                self.ledger.release("activations")
+            self.ledger.release("input")
+        self.step_count += 1
+        return value
+
+    def _charge_in_memory(self, tensors: list[torch.Tensor]) -> None:
+        seen: dict[int, int] = {}
+        params = {p.untyped_storage().data_ptr() for p in self._model.parameters()}
+        for t in tensors:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr and ptr not in params:
+                seen[ptr] = t.untyped_storage().nbytes()
+        self.ledger.reserve("activations", sum(seen.values()))
+
+    # ---- reports ----------------------------------------------------------------------
+    @property
+    def tracked_peak_bytes(self) -> int:
+        """The most bytes the trainer held in the compute tier at once."""
+        return self.ledger.peak_bytes
+
+    def residency(self) -> dict:
+        """Block states and bytes per tier.
+
+        Returns:
+            ``{"blocks": {block: "resident"|"inflight"|"offloaded"}, "tiers": {"compute": bytes,
+            "host": bytes, "disk": bytes}}`` — compute: what the ledger holds now; host/disk:
+            master weights and optimizer state kept there.
+        """
+        if self.executor is None:
+            blocks = {b.name: Residency.RESIDENT.value for b in self.blocks}
+            tiers = {"compute": self.ledger.current_bytes, "host": 0, "disk": 0}
+        else:
+            blocks = {s.name: s.state.value for s in self.executor.slots}
+            tiers = {"compute": self.ledger.current_bytes, "host": 0, "disk": 0}
+            tiers[self.store.tier] = self.store.total_bytes
+        return {"blocks": blocks, "tiers": tiers}
+
+    # ---- state ------------------------------------------------------------------------
+    def block_state(self, index: int) -> dict[str, dict[str, torch.Tensor]]:
+        """``{kind: {param name: CPU tensor}}`` for block ``index`` (kinds: param + optimizer state),
+        plus ``"steps": {param name: tensor(int)}``."""
+        b = self.blocks[index]
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        if self.executor is None:
+            params = dict(b.module.named_parameters())
+            out["param"] = {f"{b.name}.{n}": p.detach().cpu().clone() for n, p in params.items()}
+            for k in self.spec.state_kinds:
+                out[k] = {f"{b.name}.{n}": (self._opt.state[p][k].detach().cpu().clone() if p in self._opt.state
+                                            else torch.zeros_like(p, device="cpu")) for n, p in params.items()}
+            out["steps"] = {f"{b.name}.{n}": torch.tensor(int(self._opt.state[p]["step"]) if p in self._opt.state
+                                                          and "step" in self._opt.state[p] else 0)
+                            for n, p in params.items()}
+            return out
+        slot = self.executor.slots[index]
+        for k in ("param", *self.spec.state_kinds):
+            flat = self.store.read(index, k).clone()
+            out[k] = {f"{b.name}.{n}": v.clone() for n, v in zip(slot.local_names, slot.views(flat))}
+        out["steps"] = {f"{b.name}.{n}": torch.tensor(s) for n, s in zip(slot.local_names, slot.steps)}
+        return out
+
+    def set_block_state(self, index: int, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Inverse of :meth:`block_state`."""
+        b = self.blocks[index]
+        if self.executor is None:
+            params = dict(b.module.named_parameters())
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.copy_(state["param"][f"{b.name}.{n}"])
+                    steps = int(state["steps"][f"{b.name}.{n}"])
+                    if self.spec.name == "adamw" and steps > 0:
+                        self._opt.state[p] = {"step": torch.tensor(float(steps)),
+                                              **{k: state[k][f"{b.name}.{n}"].to(p.device).clone()
+                                                 for k in self.spec.state_kinds}}
+                    else:
+                        self._opt.state.pop(p, None)
+            return
+        slot = self.executor.slots[index]
+        for k in ("param", *self.spec.state_kinds):
+            flat = torch.empty(slot.numel, dtype=torch.float32)
+            for n, v in zip(slot.local_names, slot.views(flat)):
+                v.copy_(state[k][f"{b.name}.{n}"])
+            self.store.write(index, k, flat)
+        slot.steps = [int(state["steps"][f"{b.name}.{n}"]) for n in slot.local_names]
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return {n: b.detach().cpu().clone() for n, b in self._model.named_buffers()}
+
+    def model(self) -> nn.Module:
+        """A CPU copy of the model with the current weights and buffers (an ordinary module)."""
+        if self.executor is None:
+            return copy.deepcopy(self._model).cpu()
+        m = copy.deepcopy(self._model)
+        for b in self.blocks:
+            mod = m.get_submodule(b.name)
+            mod.__dict__.pop("forward", None)
+        for i, b in enumerate(self.blocks):
+            st = self.block_state(i)["param"]
+            for full, t in st.items():
+                owner, _, leaf = full.rpartition(".")
+                m.get_submodule(owner)._parameters[leaf] = nn.Parameter(t)
+        return m.cpu()
+
+    def signature(self) -> dict:
+        """What a checkpoint must match: the model's parameters and the training configuration."""
+        return {"model": type(self._model).__name__,
+                "params": {n: list(s) for n, s in self.param_shapes.items()},
+                "blocks": [b.name for b in self.blocks],
+                "buffers": {n: list(b.shape) for n, b in self._model.named_buffers()},
+                "optimizer": self.spec.to_dict(), "loss": self.loss_name}
+
+    def state_dict(self) -> dict:
+        """The full resumable state (weights, optimizer state, buffers, step, RNG) as CPU tensors."""
+        sd = {"signature": self.signature(), "step": self.step_count, "buffers": self.buffers(),
+              "rng": _ckpt.rng_state(), "blocks": [self.block_state(i) for i in range(len(self.blocks))],
+              "lr": self.lr}
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore :meth:`state_dict` output; refuses another model or configuration."""
+        _ckpt.check_signature(sd["signature"], self.signature())
+        for i, bs in enumerate(sd["blocks"]):
+            self.set_block_state(i, bs)
+        self._load_buffers(sd["buffers"])
+        self.step_count = int(sd["step"])
+        self.lr = float(sd.get("lr", self.lr))
+        _ckpt.set_rng_state(sd["rng"])
+
+    def _load_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for n, b in self._model.named_buffers():
+                b.copy_(buffers[n])
+
+    def save_checkpoint(self, directory: str | os.PathLike, *, extra: dict | None = None, keep: int = 2) -> Path:
+        """Write a resumable checkpoint under ``directory`` atomically (see
+        :mod:`edgeadapt.server.checkpoint`); ``extra`` (JSON) is restored as
+        :attr:`checkpoint_extra` (e.g. the data position). Returns the checkpoint's folder."""
+        return _ckpt.save(self, Path(directory), extra=extra or {}, keep=keep)
+
+    @classmethod
+    def resume(cls, directory: str | os.PathLike, model: nn.Module, **kwargs) -> Trainer:
+        """A trainer built with ``kwargs`` from the latest checkpoint in ``directory``.
+
+        Raises:
+            CheckpointMismatch: the checkpoint is of another model or configuration (named).
+            FileNotFoundError: no checkpoint in ``directory``.
+        """
+        t = cls(model, **kwargs)
+        _ckpt.load(t, Path(directory))
+        return t
+
+    def close(self) -> None:
+        """Stop the prefetch thread and remove the disk tier's files."""
+        if self.executor is not None:
+            self.executor.close()
+            self.store.close()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,70 @@
+"""Small seeded models, data and a plain torch training loop for the server trainer's tests."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class MLPBlock(nn.Module):
+    """Linear + GELU + dropout with a residual connection (random numbers in forward)."""
+
+    def __init__(self, width: int, p: float = 0.1):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        return x + self.drop(nn.functional.gelu(self.fc(x)))
+
+
+class MLPStack(nn.Module):
+    """An input projection, ``depth`` residual MLP blocks in a ModuleList, a layer norm and a head."""
+
+    def __init__(self, d_in: int = 12, width: int = 32, depth: int = 4, n_classes: int = 5):
+        super().__init__()
+        self.proj = nn.Linear(d_in, width)
+        self.layers = nn.ModuleList(MLPBlock(width) for _ in range(depth))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, n_classes)
+
+    def forward(self, x):
+        x = self.proj(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def make_mlp(seed: int = 0, **kw) -> MLPStack:
+    torch.manual_seed(seed)
+    return MLPStack(**kw)
+
+
+def make_cnn(seed: int = 0):
+    from edgeadapt.models import CNN1d
+
+    torch.manual_seed(seed)
+    return CNN1d(4, 3, widths=(8, 16, 16))
+
+
+def batches(kind: str, n: int, seed: int = 1, batch: int = 8):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        if kind == "cnn":
+            out.append((torch.randn(batch, 4, 32, generator=g), torch.randint(0, 3, (batch,), generator=g)))
+        else:
+            out.append((torch.randn(batch, 12, generator=g), torch.randint(0, 5, (batch,), generator=g)))
+    return out
+
+
+def reference_train(model: nn.Module, data, *, lr=1e-2, weight_decay=0.1, seed=123) -> nn.Module:
+    """Plain in-memory torch training: AdamW(foreach=True) on cross-entropy."""
+    torch.manual_seed(seed)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, foreach=True)
+    for x, y in data:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model
