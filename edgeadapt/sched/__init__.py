@@ -3,15 +3,28 @@ and the server trainer alike.
 
 It decides and never touches tensors: policies turn a :class:`Graph` and a budget into a
 :class:`Plan`; :func:`verify` re-derives a plan's peak and refuses one over budget; executors
-carry plans out.
+carry plans out. See docs/scheduler.md and docs/cost_model.md.
 """
 
+from .batching import minimum_budget, plan_for_budget, replan
+from .cost import PHASES, CostModel, predict
+from .errors import BudgetExceeded, NoFeasiblePlan
 from .ir import Graph, Op, Param
 from .plan import Action, Mode, ParamPlan, Peak, Plan, Tier, format_bytes, parse_bytes
 from .policy import Rule, UpdatePolicy
+from .remat import Chain, chain_from_graph, min_flops_schedule, min_peak_schedule, sqrt_schedule
+from .resolve import cut_of, plan_from_policy, resolve_channels, resolve_params, trained_bytes
+from .select import Unit, candidate_units, select_greedy, select_milp
+from .verify import TimelineEvent, check_plan, timeline, verify
 
 __all__ = [
     "Graph", "Op", "Param",
     "Plan", "ParamPlan", "Peak", "Mode", "Tier", "Action", "parse_bytes", "format_bytes",
     "Rule", "UpdatePolicy",
+    "plan_from_policy", "resolve_params", "resolve_channels", "cut_of", "trained_bytes",
+    "CostModel", "predict", "PHASES",
+    "verify", "timeline", "TimelineEvent", "check_plan", "BudgetExceeded", "NoFeasiblePlan",
+    "Unit", "candidate_units", "select_milp", "select_greedy",
+    "Chain", "chain_from_graph", "min_flops_schedule", "min_peak_schedule", "sqrt_schedule",
+    "plan_for_budget", "replan", "minimum_budget",
 ]

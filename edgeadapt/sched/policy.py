@@ -19,7 +19,6 @@ Modes:
 from __future__ import annotations
 
 import fnmatch
-import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -183,21 +182,7 @@ class ParamUpdate:
 
 
 def resolve_channels(rule: Rule, module_path: str, weight: np.ndarray) -> tuple[int, ...]:
-    """The sorted output channels that ``rule`` trains for a module whose weight is ``weight``.
+    """The sorted output channels that ``rule`` trains; see :func:`edgeadapt.sched.resolve.resolve_channels`."""
+    from .resolve import resolve_channels as resolve  # resolve imports this module
 
-    Raises:
-        ValueError: explicit indices out of range for the module's output channels.
-    """
-    n_out = weight.shape[0]
-    if rule.indices is not None:
-        bad = [i for i in rule.indices if i >= n_out]
-        if bad:
-            raise ValueError(
-                f"policy rule {rule.pattern!r}: channels {bad} out of range for {module_path} "
-                f"which has {n_out} output channels"
-            )
-        return tuple(sorted(set(rule.indices)))
-    k = max(1, math.ceil(rule.ratio * n_out))
-    norms = np.linalg.norm(weight.reshape(n_out, -1), axis=1)
-    # Stable sort on -norm: ties keep the lower index, so the choice is deterministic.
-    return tuple(sorted(np.argsort(-norms, kind="stable")[:k].tolist()))
+    return resolve(rule, module_path, weight)

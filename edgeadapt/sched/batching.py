@@ -1,0 +1,267 @@
+"""``plan_for_budget``: the one entry point that turns a graph and a budget into a verified plan.
+
+It picks, in this order of concern:
+
+1. the updates -- a given :class:`UpdatePolicy` is resolved and kept; otherwise
+   :mod:`.select` maximises importance within the budget (exact MILP, greedy fallback);
+2. the micro-batch -- the largest that fits, to keep steps fast (with a selection: the largest
+   whose best importance is within ``importance_tolerance`` of the best over all sizes);
+3. the prefix -- cache its features once per call when that fits (the prefix then runs once,
+   not every epoch), else run it with every micro-batch;
+4. rematerialisation -- none when everything fits, else the least recompute FLOPs that fit.
+
+The result carries ``predicted`` and ``budget_bytes`` and has passed :func:`verify`.
+:func:`replan` re-plans a made plan for another window count (the device's real data) keeping
+its updates, cut and recompute choices: a cheap, pure call.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import replace
+
+import numpy as np
+
+from .cost import CostModel, activation_arrays, clean_cut, predict
+from .errors import BudgetExceeded, NoFeasiblePlan
+from .ir import Graph
+from .plan import Action, Mode, ParamPlan, Peak, Plan, parse_bytes
+from .policy import UpdatePolicy
+from .remat import chain_from_graph, min_flops_schedule, min_peak_schedule
+from .resolve import cut_of, plan_from_policy
+from .select import build_problem, candidate_units, select_greedy, select_milp
+from .verify import verify
+
+__all__ = ["plan_for_budget", "replan", "micro_batch_sizes", "minimum_budget"]
+
+log = logging.getLogger(__name__)
+
+
+def micro_batch_sizes(batch_windows: int) -> list[int]:
+    """Distinct micro-batch sizes that split a batch evenly-ish (``ceil(batch / k)``), largest first."""
+    return sorted({math.ceil(batch_windows / k) for k in range(1, batch_windows + 1)}, reverse=True)
+
+
+def _activation_limit(cost: CostModel, budget: int, held: int, m: int) -> int:
+    """The largest per-window activation total ``x`` with ``held + cost.activation_bytes(m, x) <= budget``."""
+    room = budget - held - m * cost.per_window_bytes
+    if room < 0:
+        return -1
+    x = int(room // (cost.activation_factor * m)) if cost.activation_factor > 0 else room
+    while x > 0 and cost.activation_bytes(m, x) + held > budget:
+        x -= 1
+    return x
+
+
+def _with_remat(graph: Graph, plan: Plan, cost: CostModel, budget: int | None, minimal: bool) -> Plan | None:
+    """``plan`` with recompute actions: least FLOPs within ``budget`` or, ``minimal``, least memory."""
+    trained = {p.name for p in plan.params if p.trains}
+    start = plan.cut + 1 if plan.cache_features and plan.cut >= 0 else 0
+    chain = chain_from_graph(graph, activation_arrays(graph, trained, start))
+    if not len(chain):
+        return None
+    if minimal:
+        schedule = min_peak_schedule(chain)[1]
+    else:
+        base = predict(graph, replace(plan, activations=()), cost)
+        held = base.phases_bytes["rollback"]
+        limit = _activation_limit(cost, budget, held, plan.micro_batch_windows)
+        if limit < 0:
+            return None
+        schedule = min_flops_schedule(chain, limit)
+        if schedule is None:
+            return None
+    actions = tuple((name, Action.RECOMPUTE) for name, r in zip(chain.names, schedule) if r)
+    return replace(plan, activations=actions) if actions else None
+
+
+def _variants(graph: Graph, plan: Plan, allow_cache: bool) -> list[Plan]:
+    """The cache / no-cache forms of ``plan`` (cache first when its cut allows it)."""
+    out = []
+    if allow_cache and plan.cut >= 0:
+        cut = plan.cut
+        while cut >= 0 and not clean_cut(graph, cut):
+            cut -= 1
+        if cut >= 0:
+            out.append(replace(plan, cut=cut, cache_features=True))
+    out.append(replace(plan, cut=cut_of(graph, plan.params), cache_features=False))
+    return out
+
+
+def _fit_fixed_updates(graph: Graph, plan: Plan, budget: int, cost: CostModel, allow_cache: bool,
+                       allow_remat: bool, micro_sizes: list[int]) -> Plan:
+    """The fastest form of ``plan`` (updates fixed) within ``budget``, or :class:`NoFeasiblePlan`."""
+    smallest: tuple[int, str] | None = None
+    for m in micro_sizes:
+        base = replace(plan, micro_batch_windows=m, activations=(), predicted=None, budget_bytes=None)
+        for variant in _variants(graph, base, allow_cache):
+            peak = predict(graph, variant, cost)
+            if peak.peak_bytes <= budget:
+                return _finish(graph, variant, budget, cost)
+            if allow_remat:
+                remat = _with_remat(graph, variant, cost, budget, minimal=False)
+                if remat is not None and predict(graph, remat, cost).peak_bytes <= budget:
+                    return _finish(graph, remat, budget, cost)
+    # Nothing fits: the smallest budget over every form at the smallest micro-batch.
+    m = min(micro_sizes)
+    base = replace(plan, micro_batch_windows=m, activations=(), predicted=None, budget_bytes=None)
+    for variant in _variants(graph, base, allow_cache):
+        forms = [variant]
+        if allow_remat:
+            low = _with_remat(graph, variant, cost, None, minimal=True)
+            if low is not None:
+                forms.append(low)
+        for form in forms:
+            peak = predict(graph, form, cost)
+            if smallest is None or peak.peak_bytes < smallest[0]:
+                smallest = (peak.peak_bytes, peak.where)
+    raise NoFeasiblePlan(smallest[0], budget, smallest[1])
+
+
+def _finish(graph: Graph, plan: Plan, budget: int, cost: CostModel) -> Plan:
+    plan = replace(plan, budget_bytes=budget, predicted=None)
+    peak = verify(graph, plan, budget, cost=cost)
+    return replace(plan, predicted=peak)
+
+
+def _plan_from_selection(graph: Graph, problem, selection, base: Plan) -> Plan:
+    chosen: dict[str, set[int] | None] = {}
+    for u in selection.units:
+        unit = problem.units[u]
+        if unit.channels is None:
+            chosen[unit.param] = None
+        elif unit.param not in chosen or chosen[unit.param] is not None:
+            chosen.setdefault(unit.param, set()).update(unit.channels)
+    params = []
+    for p in graph.params:
+        if p.name not in chosen:
+            params.append(ParamPlan(p.name, Mode.FROZEN))
+        elif chosen[p.name] is None or len(chosen[p.name]) == p.out_channels:
+            params.append(ParamPlan(p.name, Mode.FULL))
+        else:
+            params.append(ParamPlan(p.name, Mode.CHANNELS, tuple(sorted(chosen[p.name]))))
+    config = problem.configs[selection.config]
+    params_t = tuple(params)
+    cut = config.cut if config.cache_features else cut_of(graph, params_t)
+    return replace(base, params=params_t, cut=cut, cache_features=config.cache_features,
+                   micro_batch_windows=problem.micro_batch_windows), config.remat
+
+
+def minimum_budget(graph: Graph, *, n_windows: int = 128, batch_windows: int = 32, optimizer: str = "adamw",
+                   cost: CostModel | None = None, importance: dict | None = None) -> int:
+    """The smallest budget for which :func:`plan_for_budget` finds a plan (selection mode)."""
+    cost = cost or CostModel.default()
+    units = candidate_units(graph, importance)
+    problem = build_problem(graph, units, cost, micro_batch_windows=1, n_windows=n_windows, optimizer=optimizer)
+    from .select import selection_peak
+    return int(math.ceil(min(selection_peak(problem, (u,), j) for u in range(len(units))
+                             for j in range(len(problem.configs))))) + 2
+
+
+def plan_for_budget(graph: Graph, budget_bytes: int | str, *, importance: dict | None = None, n_windows: int = 128,
+                    batch_windows: int = 32, optimizer: str = "adamw", cost: CostModel | None = None,
+                    policy: UpdatePolicy | None = None, weights: dict[str, np.ndarray] | None = None,
+                    allow_cache: bool = True, allow_remat: bool = True, importance_tolerance: float = 0.05,
+                    solver: str = "milp") -> Plan:
+    """A verified plan for ``graph`` within ``budget_bytes`` for a whole device ``adapt`` call.
+
+    Args:
+        graph: the model's IR.
+        budget_bytes: bytes, or a string such as ``"512KiB"``.
+        importance: per parameter (a float or one value per output channel) for the selection;
+            ``None``: every trained element counts the same.
+        n_windows: adaptation windows planned for (the feature cache holds their features).
+        batch_windows: windows per optimizer step.
+        optimizer: ``"adamw"`` or ``"sgd"``.
+        cost: cost-model constants (default: the calibrated ones).
+        policy: a hand-written policy to check and fit instead of selecting updates.
+        weights: parameter arrays, for policies with channel ratios.
+        allow_cache: may cache the prefix's features.
+        allow_remat: may recompute activations.
+        importance_tolerance: a smaller micro-batch is taken only if it raises the selected
+            importance by more than this fraction.
+        solver: ``"milp"`` (exact; greedy if the solver fails) or ``"greedy"``.
+
+    Raises:
+        NoFeasiblePlan: nothing fits; ``need_bytes`` is the smallest budget that would.
+        ValueError: bad arguments.
+    """
+    budget = parse_bytes(budget_bytes)
+    cost = cost or CostModel.default()
+    if solver not in ("milp", "greedy"):
+        raise ValueError(f"solver must be 'milp' or 'greedy', got {solver!r}")
+    sizes = micro_batch_sizes(batch_windows)
+    if policy is not None:
+        plan = plan_from_policy(graph, policy, weights=weights, batch_windows=batch_windows,
+                                n_windows=n_windows, optimizer=optimizer)
+        return _fit_fixed_updates(graph, plan, budget, cost, allow_cache, allow_remat, sizes)
+
+    units = candidate_units(graph, importance)
+    base = Plan(graph=graph.name, params=tuple(ParamPlan(p.name, Mode.FROZEN) for p in graph.params),
+                batch_windows=batch_windows, micro_batch_windows=batch_windows, n_windows=n_windows,
+                optimizer=optimizer)
+    chains: dict = {}
+    results = []
+    for m in sizes:
+        problem = build_problem(graph, units, cost, micro_batch_windows=m, n_windows=n_windows, optimizer=optimizer,
+                                allow_cache=allow_cache, allow_remat=allow_remat, _chain_cache=chains)
+        for slack in (0, 8, 64):  # the solvers see real-valued byte sums; predict rounds up
+            sel = select_milp(problem, budget - slack) if solver == "milp" else None
+            if sel is None:
+                sel = select_greedy(problem, budget - slack)
+            if sel is None:
+                break
+            plan, remat = _plan_from_selection(graph, problem, sel, base)
+            if remat:
+                plan = _with_remat(graph, plan, cost, budget, minimal=False) or plan
+            if predict(graph, plan, cost).peak_bytes <= budget:
+                results.append((sel.importance, m, plan))
+                break
+    if not results:
+        need = minimum_budget(graph, n_windows=n_windows, batch_windows=batch_windows, optimizer=optimizer,
+                              cost=cost, importance=importance)
+        raise NoFeasiblePlan(max(need, budget + 1), budget, "selection")
+    best = max(r[0] for r in results)
+    for value, m, plan in results:  # largest micro-batch first
+        if value >= (1.0 - importance_tolerance) * best:
+            return _finish(graph, plan, budget, cost)
+    raise AssertionError("unreachable")
+
+
+def replan(graph: Graph, plan: Plan, n_windows: int, budget_bytes: int | None = None, *,
+           cost: CostModel | None = None, allow_cache: bool | None = None) -> Plan:
+    """Re-plan ``plan`` for ``n_windows`` windows (the device's real count), keeping its updates,
+    cut and recompute actions; the micro-batch and feature caching are chosen again.
+
+    Args:
+        graph: the model's IR (the bundle's manifest "graph").
+        plan: the exported plan.
+        n_windows: the real number of adaptation windows.
+        budget_bytes: default: the plan's own budget.
+        cost: cost constants (default: the calibrated ones).
+        allow_cache: default: whether the plan caches (a bundle without a prefix model cannot).
+
+    Raises:
+        NoFeasiblePlan: no micro-batch / caching choice fits; ``need_bytes`` is the smallest budget.
+    """
+    cost = cost or CostModel.default()
+    budget = plan.budget_bytes if budget_bytes is None else parse_bytes(budget_bytes)
+    if budget is None:
+        raise ValueError("the plan has no budget; pass budget_bytes")
+    cache_options = [plan.cache_features] if allow_cache is None else ([True, False] if allow_cache else [False])
+    if not plan.cache_features:
+        cache_options = [False]
+    best_fail: tuple[int, str] | None = None
+    for m in micro_batch_sizes(plan.batch_windows):
+        for cache in cache_options:
+            trial = replace(plan, n_windows=n_windows, micro_batch_windows=m, cache_features=cache,
+                            predicted=None, budget_bytes=budget)
+            peak = predict(graph, trial, cost)
+            if peak.peak_bytes <= budget:
+                return _finish(graph, trial, budget, cost)
+            if best_fail is None or peak.peak_bytes < best_fail[0]:
+                best_fail = (peak.peak_bytes, peak.where)
+    raise NoFeasiblePlan(best_fail[0], budget, best_fail[1],
+                         detail=f"no micro-batch fits {n_windows} windows; the smallest budget that fits is "
+                                f"{best_fail[0]} bytes: raise the budget or adapt on fewer windows")

@@ -1,0 +1,307 @@
+"""The cost model and :func:`predict`: the peak bytes of a whole device ``adapt`` call.
+
+The model (docs/cost_model.md has the derivation and the calibration):
+
+* **session** -- opening the training session: a fixed overhead plus, per trained byte, its
+  gradient buffer and optimizer state (AdamW: 2 moments; SGD: none);
+* **features** -- with ``cache_features``: the frozen prefix runs as inference over
+  micro-batches while the cache of ``n_windows x`` (output bytes of the cut op) fills;
+* **rollback** -- at each epoch's start a copy of the trained values and their optimizer state;
+* **forward** / **backward** -- one micro-batch of the suffix: saved activations that are kept,
+  recomputed segments when their backward runs, and the op's transient tensors;
+* **optimizer** -- the update, with an optional workspace per trained byte.
+
+Each phase's total includes everything still alive from the phases before it (session buffers,
+feature cache, rollback copy). Activations are per window in the IR and scale with the
+micro-batch; an op's saved tensors are counted from the first op that needs a gradient on.
+
+Activation accounting, shared with :mod:`.remat` and re-derived by :mod:`.verify`:
+
+* a *candidate* is an op that needs a gradient and saves bytes for its backward; candidate
+  ``i`` owns the ops after the previous candidate up to ``i`` (its *chunk*); the ops after the
+  last candidate are the *tail*;
+* forward at op ``j``: kept saved bytes of the candidates before ``j``'s chunk, plus the op's
+  live tensors (tensors produced and not yet consumed for the last time, its output and its
+  workspace);
+* backward at op ``j`` (needing a gradient): kept saved bytes of candidates before ``j``'s chunk,
+  plus its own candidate's saved bytes (if kept) or the recomputed run of candidates from the
+  run's start up to it, plus its output gradient, its inputs' gradients and its workspace.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from importlib import resources
+from typing import Any
+
+from .ir import Graph
+from .plan import Peak, Plan
+from .resolve import trained_bytes
+
+__all__ = ["CostModel", "predict", "PHASES", "needs_grad", "live_bytes", "activation_arrays", "ActivationArrays",
+           "clean_cut"]
+
+PHASES = ("session", "features", "rollback", "forward", "backward", "optimizer")
+_CONSTANTS_FILE = "cost_model.json"
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Constants of the device cost model (bytes are ints; factors are per trained byte).
+
+    Attributes:
+        session_overhead_bytes: fixed cost of opening the training session.
+        prefix_session_overhead_bytes: fixed cost of the prefix inference session (features phase).
+        per_window_bytes: extra bytes per window of a micro-batch (input staging, loss buffers).
+        activation_factor: measured / modelled activation bytes (allocator rounding, copies).
+        gradient_factor: gradient buffer bytes per trained byte.
+        adamw_state_factor: AdamW state bytes per trained byte (two moments).
+        sgd_state_factor: SGD state bytes per trained byte.
+        rollback_factor: rollback copies of (trained values + optimizer state) kept per epoch.
+        optimizer_workspace_factor: transient bytes per trained byte during the update.
+        calibration: where the constants come from (date, versions, command); not compared.
+    """
+
+    session_overhead_bytes: int = 0
+    prefix_session_overhead_bytes: int = 0
+    per_window_bytes: int = 0
+    activation_factor: float = 1.0
+    gradient_factor: float = 1.0
+    adamw_state_factor: float = 2.0
+    sgd_state_factor: float = 0.0
+    rollback_factor: float = 1.0
+    optimizer_workspace_factor: float = 0.0
+    calibration: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name != "calibration" and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
+                raise ValueError(f"cost model: {f.name} must be a number >= 0, got {v!r}")
+        for f in ("session_overhead_bytes", "prefix_session_overhead_bytes", "per_window_bytes"):
+            if not isinstance(getattr(self, f), int):
+                raise ValueError(f"cost model: {f} must be an int")
+
+    def state_factor(self, optimizer: str) -> float:
+        """Optimizer-state bytes per trained byte."""
+        if optimizer == "adamw":
+            return self.adamw_state_factor
+        if optimizer == "sgd":
+            return self.sgd_state_factor
+        raise ValueError(f"unknown optimizer {optimizer!r}; use 'adamw' or 'sgd'")
+
+    def session_bytes(self, trained: int, optimizer: str) -> int:
+        return self.session_overhead_bytes + math.ceil(trained * (self.gradient_factor + self.state_factor(optimizer)))
+
+    def rollback_bytes(self, trained: int, optimizer: str) -> int:
+        return math.ceil(trained * self.rollback_factor * (1.0 + self.state_factor(optimizer)))
+
+    def optimizer_bytes(self, trained: int) -> int:
+        return math.ceil(trained * self.optimizer_workspace_factor)
+
+    def activation_bytes(self, micro_batch_windows: int, per_window_bytes: int) -> int:
+        """Bytes of ``per_window_bytes`` of activations over a micro-batch, with the overheads."""
+        return (math.ceil(self.activation_factor * micro_batch_windows * per_window_bytes)
+                + micro_batch_windows * self.per_window_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CostModel:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"cost model: unknown constants {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+    @classmethod
+    def default(cls) -> CostModel:
+        """The constants measured by ``benchmarks/calibrate_cost.py`` and shipped with the package."""
+        text = resources.files(__package__).joinpath(_CONSTANTS_FILE).read_text()
+        return cls.from_dict(json.loads(text))
+
+
+def needs_grad(graph: Graph, trained_params: set[str], start: int = 0) -> list[bool]:
+    """Per op: does a gradient flow through it (it owns a trained parameter or reads an op that does)."""
+    out = [False] * len(graph.ops)
+    for i, op in enumerate(graph.ops):
+        if i < start:
+            continue
+        out[i] = any(p in trained_params for p in op.params) or any(out[graph.op_index(s)] for s in op.inputs)
+    return out
+
+
+def live_bytes(graph: Graph) -> list[int]:
+    """Per op: forward bytes per window alive while it runs (live tensors, its output, workspace).
+
+    A tensor lives from the op producing it to its last consumer; the model input from the start
+    to its last reader; an output nobody reads lives to the end of the forward (the loss).
+    """
+    n = len(graph.ops)
+    last = list(range(n))
+    input_last = -1
+    for i, op in enumerate(graph.ops):
+        if not op.inputs:
+            input_last = i
+        for src in op.inputs:
+            j = graph.op_index(src)
+            last[j] = max(last[j], i)
+    consumed = {graph.op_index(s) for op in graph.ops for s in op.inputs}
+    for j in range(n):
+        if j not in consumed:
+            last[j] = n - 1
+    diff = [0] * (n + 1)
+    if input_last >= 0:
+        diff[0] += graph.input_bytes
+        diff[input_last + 1] -= graph.input_bytes
+    for j, op in enumerate(graph.ops):
+        diff[j] += op.output_bytes
+        diff[last[j] + 1] -= op.output_bytes
+    out, acc = [], 0
+    for i, op in enumerate(graph.ops):
+        acc += diff[i]
+        out.append(acc + op.workspace_bytes)
+    return out
+
+
+def clean_cut(graph: Graph, cut: int) -> bool:
+    """True when nothing after op ``cut`` reads the model input or an op before ``cut``.
+
+    Only at such a cut can the prefix run as a separate inference model whose one output
+    (the features) feeds the rest.
+    """
+    if cut < 0:
+        return True
+    for op in graph.ops[cut + 1:]:
+        if not op.inputs or any(graph.op_index(s) < cut for s in op.inputs):
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class ActivationArrays:
+    """Per-op activation quantities of one plan's training graph (bytes per window).
+
+    Attributes:
+        start: first op of the training graph (``cut + 1`` with cached features, else 0).
+        grad: per op, whether a gradient flows through it.
+        saved: per op, saved bytes counted for its backward (0 unless it needs a gradient).
+        live: per op, forward live bytes (:func:`live_bytes`).
+        grad_transient: per op, backward transient bytes (output gradient, input gradients, workspace).
+        candidates: ops that need a gradient and save bytes, in order.
+    """
+
+    start: int
+    grad: tuple[bool, ...]
+    saved: tuple[int, ...]
+    live: tuple[int, ...]
+    grad_transient: tuple[int, ...]
+    candidates: tuple[int, ...]
+
+    def chunk_of(self) -> list[int]:
+        """Per op: position (in ``candidates``) of the candidate whose chunk holds it; len = tail."""
+        out, k = [], 0
+        for i in range(len(self.saved)):
+            while k < len(self.candidates) and self.candidates[k] < i:
+                k += 1
+            out.append(k)
+        return out
+
+
+def activation_arrays(graph: Graph, trained_params: set[str], start: int = 0) -> ActivationArrays:
+    """The activation quantities of a training graph that trains ``trained_params`` from op ``start``."""
+    grad = needs_grad(graph, trained_params, start)
+    saved = [op.saved_bytes if grad[i] else 0 for i, op in enumerate(graph.ops)]
+    transient = []
+    for i, op in enumerate(graph.ops):
+        in_grads = sum(graph.ops[graph.op_index(s)].output_bytes for s in op.inputs if grad[graph.op_index(s)])
+        transient.append(op.output_bytes + in_grads + op.workspace_bytes if grad[i] else 0)
+    cands = tuple(i for i in range(len(saved)) if saved[i] > 0)
+    return ActivationArrays(start, tuple(grad), tuple(saved), tuple(live_bytes(graph)), tuple(transient), cands)
+
+
+def _activation_peaks(graph: Graph, arr: ActivationArrays, recompute: set[str]):
+    """(forward value, op) and (backward value, op) maxima per window, closed form per chunk."""
+    n = len(graph.ops)
+    cands = arr.candidates
+    kept_before, k = [], 0  # kept saved bytes of candidates before each candidate
+    run = []  # recomputed run sum up to each candidate (its own saved bytes when kept)
+    for pos, i in enumerate(cands):
+        kept_before.append(k)
+        if graph.ops[i].name in recompute:
+            prev = run[pos - 1] if pos and graph.ops[cands[pos - 1]].name in recompute else 0
+            run.append(prev + arr.saved[i])
+        else:
+            run.append(arr.saved[i])
+            k += arr.saved[i]
+    kept_all = k
+    chunk = arr.chunk_of()
+    fwd = (-1, "")
+    for j in range(arr.start, n):
+        c = chunk[j]
+        value = (kept_before[c] if c < len(cands) else kept_all) + arr.live[j]
+        if value > fwd[0]:
+            fwd = (value, graph.ops[j].name)
+    bwd = (-1, "")
+    for j in range(n - 1, arr.start - 1, -1):
+        if not arr.grad[j]:
+            continue
+        c = chunk[j]
+        held = kept_all if c == len(cands) else kept_before[c] + run[c]
+        value = held + arr.grad_transient[j]
+        if value > bwd[0]:
+            bwd = (value, graph.ops[j].name)
+    return fwd, bwd
+
+
+def _prefix_peak(graph: Graph, cut: int) -> tuple[int, str]:
+    live = live_bytes(graph)
+    best = (-1, "")
+    for j in range(cut + 1):
+        if live[j] > best[0]:
+            best = (live[j], graph.ops[j].name)
+    return best
+
+
+def predict(graph: Graph, plan: Plan, cost: CostModel | None = None) -> Peak:
+    """Predicted peak of a whole device ``adapt`` call carrying out ``plan`` (closed form).
+
+    Args:
+        graph: the model's IR (the plan's ``graph`` must name it).
+        plan: the plan to cost.
+        cost: the constants (default: :meth:`CostModel.default`).
+
+    Returns:
+        The peak, where it occurs (``"<phase>:<op>"`` or ``"<phase>"``) and the peak per phase.
+    """
+    cost = cost or CostModel.default()
+    if plan.graph != graph.name:
+        raise ValueError(f"the plan was made for graph {plan.graph!r}, not {graph.name!r}")
+    trained = trained_bytes(graph, plan.params)
+    trained_names = {p.name for p in plan.params if p.trains}
+    caching = plan.cache_features and plan.cut >= 0
+    start = plan.cut + 1 if caching else 0
+    m = plan.micro_batch_windows
+    session = cost.session_bytes(trained, plan.optimizer)
+    cache = plan.n_windows * graph.ops[plan.cut].output_bytes if caching else 0
+    rollback = cost.rollback_bytes(trained, plan.optimizer)
+    held = session + cache + rollback
+    arr = activation_arrays(graph, trained_names, start)
+    (fwd, fwd_op), (bwd, bwd_op) = _activation_peaks(graph, arr, set(plan.recomputed))
+    phases: list[tuple[str, int, str]] = [("session", session, "session")]
+    if caching:
+        pre, pre_op = _prefix_peak(graph, plan.cut)
+        phases.append(("features", session + cost.prefix_session_overhead_bytes + cache
+                       + cost.activation_bytes(m, pre), f"features:{pre_op}"))
+    phases.append(("rollback", held, "rollback"))
+    phases.append(("forward", held + cost.activation_bytes(m, fwd), f"forward:{fwd_op}"))
+    if bwd >= 0:
+        phases.append(("backward", held + cost.activation_bytes(m, bwd), f"backward:{bwd_op}"))
+    phases.append(("optimizer", held + cost.optimizer_bytes(trained), "optimizer"))
+    peak, where = max(((v, w) for _, v, w in phases), key=lambda t: t[0])  # first maximum in timeline order
+    return Peak(peak, where, {name: v for name, v, _ in phases})
+
+

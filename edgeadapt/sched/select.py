@@ -1,0 +1,306 @@
+"""Update selection under a budget: which parameters and channel groups train.
+
+Candidates (*units*) are whole small tensors (biases, norm affines, the head's) and groups of
+output channels of larger weights. Each has an importance (given, or measured at export by
+:mod:`edgeadapt.export.importance`) and a cost: its trained bytes times the per-byte state of the
+cost model (gradient, optimizer state, rollback copy). Activation memory depends on the earliest
+trained op, so the selection also picks a *configuration*: the first trained op ``k`` and how the
+frozen prefix and saved activations are handled (features cached or not, activations kept or
+recomputed at least memory). :func:`select_milp` solves this exactly with
+``scipy.optimize.milp`` (binary unit variables plus one binary per configuration; a unit can
+train only if the chosen configuration's first op is at or before its op);
+:func:`select_greedy` adds units by importance per byte while they fit. Both work on a
+:class:`SelectionProblem` whose constants come from :func:`build_problem`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+
+from .cost import CostModel, activation_arrays, clean_cut, live_bytes
+from .ir import Graph
+from .remat import chain_from_graph, chain_peak, min_peak_schedule
+
+__all__ = ["Unit", "Config", "SelectionProblem", "candidate_units", "build_problem", "select_milp", "select_greedy",
+           "select_brute_force", "selection_peak"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One candidate update.
+
+    Attributes:
+        param: the parameter name.
+        channels: the output channels it trains (``None``: the whole tensor).
+        op_index: the op owning the parameter.
+        trained_bytes: bytes of the trained elements.
+        importance: the objective weight (>= 0).
+    """
+
+    param: str
+    channels: tuple[int, ...] | None
+    op_index: int
+    trained_bytes: int
+    importance: float
+
+    @property
+    def label(self) -> str:
+        if self.channels is None:
+            return self.param
+        return f"{self.param}[{self.channels[0]}..{self.channels[-1]}]" if len(self.channels) > 1 else \
+            f"{self.param}[{self.channels[0]}]"
+
+
+@dataclass(frozen=True)
+class Config:
+    """A first trained op plus how the prefix and the activations are handled.
+
+    Attributes:
+        first_op: the earliest op allowed to train.
+        cut: the plan's cut (``first_op - 1``, or the clean cut below it when caching).
+        cache_features: whether the prefix's output is cached.
+        remat: whether saved activations are recomputed (at least memory).
+        fixed_bytes: bytes that do not scale with trained bytes in the training phases
+            (session overhead, feature cache, activations of one micro-batch).
+        features_bytes: the same for the features phase (0 when not caching).
+        penalty: a small cost preferring faster configurations at equal importance.
+    """
+
+    first_op: int
+    cut: int
+    cache_features: bool
+    remat: bool
+    fixed_bytes: int
+    features_bytes: int
+    penalty: float
+
+
+@dataclass(frozen=True)
+class SelectionProblem:
+    """Units, configurations and the per-trained-byte factors of one micro-batch size.
+
+    Attributes:
+        units: the candidates.
+        configs: the configurations.
+        train_factor: bytes per trained byte in the training phases (gradient, state, rollback,
+            optimizer workspace where it exceeds activations is covered by ``opt_factor``).
+        opt_factor: bytes per trained byte in the optimizer phase.
+        session_factor: bytes per trained byte in the features phase (gradient and state).
+        micro_batch_windows: the micro-batch size the constants are for.
+    """
+
+    units: tuple[Unit, ...]
+    configs: tuple[Config, ...]
+    train_factor: float
+    opt_factor: float
+    session_factor: float
+    opt_fixed: tuple[int, ...]
+    micro_batch_windows: int
+
+
+def candidate_units(graph: Graph, importance: dict | None = None, channel_groups: int = 4,
+                    min_group_channels: int = 8) -> tuple[Unit, ...]:
+    """Units of ``graph``: channel groups of weights with at least ``channel_groups *
+    min_group_channels`` output channels and more than one axis, whole tensors otherwise.
+
+    Args:
+        graph: the model's IR.
+        importance: parameter name -> a float (the tensor's importance, spread evenly over its
+            channels) or a sequence with one value per output channel. ``None``: every trained
+            element counts 1 (more trained elements are better). Parameters it omits get 0.
+        channel_groups: groups per large weight; with per-channel importance the groups are
+            formed from the channels ranked by importance (the first group holds the best).
+        min_group_channels: smallest group.
+    """
+    units = []
+    for p in graph.params:
+        op = graph.owner_index(p.name)
+        per_row = p.numel // max(1, p.out_channels) * p.dtype_bytes
+        if importance is None:
+            per_channel = np.full(p.out_channels, p.numel / max(1, p.out_channels))
+        else:
+            raw = importance.get(p.name, 0.0)
+            per_channel = (np.full(p.out_channels, float(raw) / p.out_channels) if np.ndim(raw) == 0
+                           else np.asarray(raw, dtype=np.float64).reshape(-1))
+            if per_channel.shape != (p.out_channels,):
+                raise ValueError(f"importance of {p.name}: expected one value or {p.out_channels} values "
+                                 f"(one per output channel), got shape {per_channel.shape}")
+            if (per_channel < 0).any() or not np.isfinite(per_channel).all():
+                raise ValueError(f"importance of {p.name} must be finite and >= 0")
+        if len(p.shape) >= 2 and p.out_channels >= channel_groups * min_group_channels:
+            order = np.argsort(-per_channel, kind="stable") if importance is not None else np.arange(p.out_channels)
+            for group in np.array_split(order, channel_groups):
+                chans = tuple(sorted(int(c) for c in group))
+                units.append(Unit(p.name, chans, op, per_row * len(chans), float(per_channel[list(chans)].sum())))
+        else:
+            units.append(Unit(p.name, None, op, p.param_bytes, float(per_channel.sum())))
+    return tuple(units)
+
+
+def _largest_clean_cut(graph: Graph, below: int) -> int:
+    for c in range(below, -1, -1):
+        if clean_cut(graph, c):
+            return c
+    return -1
+
+
+def build_problem(graph: Graph, units: tuple[Unit, ...], cost: CostModel, *, micro_batch_windows: int,
+                  n_windows: int, optimizer: str, allow_cache: bool = True, allow_remat: bool = True,
+                  _chain_cache: dict | None = None) -> SelectionProblem:
+    """The constants of the selection for one micro-batch size.
+
+    A configuration's activation bytes are computed as if every parameter from its first op on
+    trained (an upper bound: activations only grow with the trained set), so any selection the
+    solvers accept also fits under :func:`edgeadapt.sched.predict`.
+    """
+    m = micro_batch_windows
+    state = cost.state_factor(optimizer)
+    session_factor = cost.gradient_factor + state
+    roll = cost.rollback_factor * (1.0 + state)
+    live = live_bytes(graph)
+    configs: list[Config] = []
+    chain_cache = {} if _chain_cache is None else _chain_cache
+    for k in sorted({u.op_index for u in units}):
+        later = {p for op in graph.ops[k:] for p in op.params}
+        variants = [(k - 1, False)]
+        clean = _largest_clean_cut(graph, k - 1)
+        if allow_cache and clean >= 0:
+            variants.insert(0, (clean, True))
+        for cut, cache in variants:
+            start = cut + 1 if cache else 0
+            key = (k, start)
+            if key not in chain_cache:
+                chain = chain_from_graph(graph, activation_arrays(graph, later, start))
+                keep = chain_peak(chain, (False,) * len(chain))
+                low = min_peak_schedule(chain)[0] if allow_remat and len(chain) else keep
+                chain_cache[key] = (keep, low)
+            keep, low = chain_cache[key]
+            cache_bytes = n_windows * graph.ops[cut].output_bytes if cache else 0
+            features = (cost.session_overhead_bytes + cost.prefix_session_overhead_bytes + cache_bytes
+                        + cost.activation_bytes(m, max(live[: cut + 1]))) if cache else 0
+            for remat, act in ((False, keep), (True, low)):
+                if remat and (not allow_remat or low >= keep):
+                    continue
+                configs.append(Config(k, cut, cache, remat, cost.session_overhead_bytes + cache_bytes
+                                      + cost.activation_bytes(m, act), features,
+                                      (0.0 if cache else 1.0) + (2.0 if remat else 0.0)))
+    opt_fixed = tuple(cost.session_overhead_bytes + (n_windows * graph.ops[c.cut].output_bytes if c.cache_features
+                                                     else 0) for c in configs)
+    return SelectionProblem(tuple(units), tuple(configs), session_factor + roll,
+                            session_factor + roll + cost.optimizer_workspace_factor, session_factor, opt_fixed, m)
+
+
+def selection_peak(problem: SelectionProblem, chosen: tuple[int, ...], config: int) -> float:
+    """Peak bytes (as the solvers see it) of units ``chosen`` under configuration ``config``;
+    ``inf`` when a unit lies before the configuration's first op."""
+    c = problem.configs[config]
+    if any(problem.units[u].op_index < c.first_op for u in chosen):
+        return math.inf
+    t = sum(problem.units[u].trained_bytes for u in chosen)
+    peaks = [c.fixed_bytes + problem.train_factor * t, problem.opt_fixed[config] + problem.opt_factor * t]
+    if c.cache_features:
+        peaks.append(c.features_bytes + problem.session_factor * t)
+    return max(peaks)
+
+
+def _best_config(problem: SelectionProblem, chosen: tuple[int, ...], budget: float) -> int | None:
+    best = None
+    for j, c in enumerate(problem.configs):
+        if selection_peak(problem, chosen, j) <= budget and (best is None or c.penalty < problem.configs[best].penalty):
+            best = j
+    return best
+
+
+@dataclass(frozen=True)
+class Selection:
+    units: tuple[int, ...]
+    config: int
+    importance: float
+
+
+def select_greedy(problem: SelectionProblem, budget_bytes: int) -> Selection | None:
+    """Add units by importance per byte (ties: earlier op last, then order) while some
+    configuration still fits; ``None`` when not even one unit fits."""
+    order = sorted(range(len(problem.units)),
+                   key=lambda u: (-problem.units[u].importance / max(1, problem.units[u].trained_bytes), u))
+    chosen: list[int] = []
+    for u in order:
+        trial = tuple(chosen + [u])
+        if _best_config(problem, trial, budget_bytes) is not None:
+            chosen.append(u)
+    if not chosen:
+        return None
+    chosen_t = tuple(sorted(chosen))
+    return Selection(chosen_t, _best_config(problem, chosen_t, budget_bytes),
+                     sum(problem.units[u].importance for u in chosen_t))
+
+
+def select_milp(problem: SelectionProblem, budget_bytes: int, time_limit_s: float = 10.0) -> Selection | None:
+    """Maximise total importance within ``budget_bytes`` exactly (``scipy.optimize.milp``).
+
+    Variables: ``x_u`` (unit trains) and ``z_j`` (configuration ``j`` chosen); one configuration;
+    ``x_u <= sum of z_j over configurations whose first op is at or before u's op``; at least one
+    unit; for the chosen configuration the training, optimizer and features phases within budget.
+    Ties in importance prefer the configuration with the smaller penalty.
+
+    Returns:
+        The selection, or ``None`` when no unit fits.
+    """
+    nu, nc = len(problem.units), len(problem.configs)
+    if nu == 0 or nc == 0:
+        return None
+    tb = np.array([u.trained_bytes for u in problem.units], dtype=np.float64)
+    imp = np.array([u.importance for u in problem.units], dtype=np.float64)
+    pen = np.array([c.penalty for c in problem.configs], dtype=np.float64)
+    scale = max(imp.sum(), 1.0)
+    eps = 1e-7 * scale / max(1.0, pen.max(initial=1.0))
+    c_obj = np.concatenate([-imp, eps * pen])
+    rows, lb, ub = [], [], []
+    rows.append(np.concatenate([np.zeros(nu), np.ones(nc)])); lb.append(1); ub.append(1)
+    rows.append(np.concatenate([np.ones(nu), np.zeros(nc)])); lb.append(1); ub.append(np.inf)
+    big = float(budget_bytes)
+    fixed = np.array([c.fixed_bytes for c in problem.configs], dtype=np.float64)
+    feat = np.array([c.features_bytes if c.cache_features else 0 for c in problem.configs], dtype=np.float64)
+    rows.append(np.concatenate([problem.train_factor * tb, fixed])); lb.append(-np.inf); ub.append(big)
+    rows.append(np.concatenate([problem.opt_factor * tb, np.array(problem.opt_fixed, dtype=np.float64)]))
+    lb.append(-np.inf); ub.append(big)
+    rows.append(np.concatenate([problem.session_factor * tb, feat])); lb.append(-np.inf); ub.append(big)
+    first = np.array([c.first_op for c in problem.configs])
+    for i, u in enumerate(problem.units):
+        row = np.zeros(nu + nc)
+        row[i] = 1.0
+        row[nu:] = -(first <= u.op_index).astype(np.float64)
+        rows.append(row); lb.append(-np.inf); ub.append(0.0)
+    res = milp(c_obj, constraints=LinearConstraint(np.array(rows), lb, ub),
+               integrality=np.ones(nu + nc), bounds=Bounds(0, 1),
+               options={"time_limit": time_limit_s, "mip_rel_gap": 1e-9})
+    if res.x is None:
+        if res.status not in (2,):  # 2: infeasible
+            log.warning("MILP update selection stopped without a solution (%s)", res.message)
+        return None
+    x = np.round(res.x).astype(int)
+    chosen = tuple(int(i) for i in np.nonzero(x[:nu])[0])
+    config = int(np.nonzero(x[nu:])[0][0])
+    return Selection(chosen, config, float(imp[list(chosen)].sum()))
+
+
+def select_brute_force(problem: SelectionProblem, budget_bytes: int) -> Selection | None:
+    """Exhaustive search over unit subsets (tests, up to ~14 units)."""
+    nu = len(problem.units)
+    best = None
+    for mask in range(1, 1 << nu):
+        chosen = tuple(u for u in range(nu) if mask >> u & 1)
+        j = _best_config(problem, chosen, budget_bytes)
+        if j is None:
+            continue
+        value = sum(problem.units[u].importance for u in chosen)
+        if best is None or value > best.importance + 1e-9:
+            best = Selection(chosen, j, value)
+    return best

@@ -1,0 +1,90 @@
+"""predict (closed form) vs verify (event simulation); verify's refusals; the cost constants."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from sched_testgraphs import random_graph, random_plan
+
+from edgeadapt.sched import BudgetExceeded, CostModel, Graph, Op, Param, ParamPlan, Plan, predict, verify
+from edgeadapt.sched.cost import PHASES
+
+COST = CostModel(session_overhead_bytes=100, prefix_session_overhead_bytes=7, per_window_bytes=3,
+                 activation_factor=1.3, optimizer_workspace_factor=0.5)
+
+
+@pytest.mark.parametrize("cost", [CostModel(), COST], ids=["plain", "overheads"])
+def test_predict_and_verify_agree_on_random_plans(cost):
+    rng = random.Random(0)
+    for _ in range(400):
+        g = random_graph(rng, rng.randint(1, 12))
+        plan = random_plan(rng, g)
+        assert verify(g, plan, cost=cost) == predict(g, plan, cost), plan
+
+
+def _chain() -> Graph:
+    """input(10) -> a(out 20, saves 10) -> b(out 30, saves 20, owns w[2x3]) -> c(out 5, saves 30, owns h[5])."""
+    ops = (Op("a", "Conv", (), (), 20, 10), Op("b", "Conv", ("b.w",), ("a",), 30, 20),
+           Op("c", "Gemm", ("c.h",), ("b",), 5, 30))
+    return Graph(ops, (Param("b.w", (2, 3), module="b"), Param("c.h", (5,), module="c")), 10, "chain")
+
+
+def test_hand_computed_peak():
+    g = _chain()
+    plan = Plan("chain", (ParamPlan("b.w", "full"), ParamPlan("c.h", "frozen")), cut=0, batch_windows=4,
+                micro_batch_windows=2, n_windows=8, optimizer="adamw")
+    peak = predict(g, plan, CostModel())
+    trained = 24
+    held = trained * 3 + trained * 3  # gradient + 2 AdamW moments; rollback copy of values + moments
+    # Forward at c: kept saved of b (20) + c's input (30) + c's output (5), x2 windows.
+    # Backward at c: kept b (20) + c's saved (30) + c's output grad (5) + b's output grad (30) = 85.
+    assert peak.phases_bytes["backward"] == held + 2 * 85
+    assert peak.peak_bytes == held + 170 and peak.where == "backward:c"
+    assert set(peak.phases_bytes) <= set(PHASES)
+
+
+def test_feature_cache_and_recompute_change_the_peak():
+    g = _chain()
+    params = (ParamPlan("b.w", "frozen"), ParamPlan("c.h", "full"))
+    plain = Plan("chain", params, cut=1, batch_windows=4, micro_batch_windows=4, n_windows=8)
+    cached = Plan("chain", params, cut=1, batch_windows=4, micro_batch_windows=4, n_windows=8, cache_features=True)
+    p, c = predict(g, plain, CostModel()), predict(g, cached, CostModel())
+    assert "features" not in p.phases_bytes
+    assert c.phases_bytes["features"] >= 8 * 30  # the cache of 8 windows x b's output
+    assert verify(g, cached, cost=CostModel()) == c
+
+
+def test_verify_refuses_over_budget_with_the_numbers():
+    g = _chain()
+    plan = Plan("chain", (ParamPlan("b.w", "full"), ParamPlan("c.h", "full")), cut=0, batch_windows=4,
+                micro_batch_windows=4)
+    need = verify(g, plan, cost=CostModel()).peak_bytes
+    assert verify(g, plan, need, cost=CostModel()).peak_bytes == need
+    with pytest.raises(BudgetExceeded) as info:
+        verify(g, plan, need - 1, cost=CostModel())
+    e = info.value
+    assert (e.need_bytes, e.have_bytes) == (need, need - 1) and e.where.startswith("backward:")
+    assert str(need) in str(e) and str(need - 1) in str(e)
+    assert isinstance(e, ValueError)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(cut=1), "inside the frozen prefix"),
+    (dict(graph="other"), "made for graph 'other'"),
+    (dict(activations=(("nope", "recompute"),)), "unknown ops"),
+])
+def test_verify_rejects_inconsistent_plans(bad, match):
+    g = _chain()
+    kwargs = dict(graph="chain", params=(ParamPlan("b.w", "full"), ParamPlan("c.h", "full")), cut=-1)
+    kwargs.update(bad)
+    with pytest.raises(ValueError, match=match):
+        verify(g, Plan(**kwargs), cost=CostModel())
+
+
+def test_cost_model_constants_ship_with_the_package():
+    cost = CostModel.default()
+    assert cost.calibration, "the packaged constants must say where they come from"
+    assert CostModel.from_dict(cost.to_dict()) == cost
+    with pytest.raises(ValueError, match="unknown constants"):
+        CostModel.from_dict({"nonsense": 1})
