@@ -1,8 +1,9 @@
-"""A plain torch training loop for the source models, plus inference helpers.
+"""Pretraining of the source models through the server trainer, plus inference helpers.
 
-This is the reference ("server side, everything fits") pretraining: AdamW on cross-entropy over
-numpy arrays held in memory. It exists to produce the pretrained models that are exported and
-then adapted on the device, and as the torch baseline the other executors are compared with.
+:func:`pretrain` runs AdamW on cross-entropy over numpy arrays held in memory with
+:class:`edgeadapt.server.Trainer` (everything resident: ``offload=None``), the same trainer
+that ``edgeadapt train`` streams through a memory budget. It produces the pretrained models
+that are exported and then adapted on the device.
 """
 
 from __future__ import annotations
@@ -181,6 +182,42 @@ def accuracy(model: nn.Module, X: np.ndarray, y: np.ndarray, batch_size: int = 2
     return float((logits.argmax(axis=1) == y).mean())
 
 
+def _trainer_step(model: nn.Module, *, lr: float, weight_decay: float, device: torch.device):
+    """``step(x, y) -> loss`` of an in-memory :class:`~edgeadapt.server.Trainer` on ``model``.
+
+    The trainer trains the model's own parameters in place. A model whose parameters the
+    trainer cannot assign to blocks (a parameter directly on the root module, such as
+    ``TinyTransformer1d.pos_embed``) trains with ``torch.optim.AdamW`` directly, with the same
+    arithmetic (foreach AdamW) and a logged note.
+    """
+    from ..server import BlockError, Trainer
+    from ..server.trace import find_blocks
+    from .objectives import OptimizerConfig
+
+    try:
+        find_blocks(model)
+    except BlockError as exc:
+        logger.info("training %s with torch.optim.AdamW directly: %s", type(model).__name__, exc)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
+                                      weight_decay=weight_decay, foreach=True)
+        loss_fn = nn.CrossEntropyLoss()
+
+        def plain_step(xb: torch.Tensor, yb: torch.Tensor) -> float:
+            loss = loss_fn(model(xb.to(device)), yb.to(device))
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise FloatingPointError(f"loss became {value}; no update was applied")
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            return value
+        return plain_step
+    trainer = Trainer(model, loss="cross_entropy",
+                      optimizer=OptimizerConfig("adamw", lr=lr, weight_decay=weight_decay),
+                      memory_budget=None, offload=None, device=str(device))
+    return trainer.step
+
+
 def pretrain(
     model: nn.Module,
     X: np.ndarray,
@@ -194,7 +231,8 @@ def pretrain(
     device: str | torch.device = "cpu",
     progress: bool = False,
 ) -> PretrainResult:
-    """Trains every parameter of ``model`` with AdamW on cross-entropy, in place.
+    """Trains every parameter of ``model`` with AdamW on cross-entropy, in place, through
+    the in-memory server trainer.
 
     Each epoch visits every sample once in an order drawn from a ``torch.Generator`` seeded
     with ``seed``; the global torch RNG (dropout) is seeded with ``torch.manual_seed(seed)``
@@ -245,8 +283,7 @@ def pretrain(
     X_t = torch.from_numpy(X)
     y_t = torch.from_numpy(y)
     n_samples = X.shape[0]
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    loss_fn = nn.CrossEntropyLoss()
+    step_fn = _trainer_step(model, lr=lr, weight_decay=weight_decay, device=device)
     logger.info("pretraining %s: %d samples, %d epochs, batch %d, lr %g, weight_decay %g, "
                 "on %s", type(model).__name__, n_samples, epochs, batch_size, lr, weight_decay,
                 device)
@@ -260,16 +297,11 @@ def pretrain(
         loss_sum = 0.0
         for step, first in enumerate(range(0, n_samples, batch_size)):
             idx = order[first:first + batch_size]
-            xb = X_t[idx].to(device, non_blocking=True)
-            yb = y_t[idx].to(device, non_blocking=True)
-            loss = loss_fn(model(xb), yb)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            loss_value = float(loss.detach())
-            if not math.isfinite(loss_value):
-                raise FloatingPointError(f"loss became {loss_value} at epoch {epoch}, "
-                                         f"step {step} (lr={lr})")
+            try:
+                loss_value = step_fn(X_t[idx], y_t[idx])
+            except FloatingPointError as exc:
+                raise FloatingPointError(f"loss became non-finite at epoch {epoch}, step {step} "
+                                         f"(lr={lr}): {exc}") from exc
             loss_sum += loss_value * len(idx)
         losses.append(loss_sum / n_samples)
         bar.set_postfix(loss=f"{losses[-1]:.4f}")
