@@ -10,6 +10,10 @@ Two rewrites, both on a deep copy (the caller's model is never touched):
   ``concat([trained, frozen])[index]`` along axis 0. Only ``trained`` is a trainable initializer,
   so gradients and optimizer state cover the slice alone and the frozen slice stays bit-identical
   under any optimizer, weight decay included.
+
+The decisions (which parameter trains, which channels) come from the planner: a
+:class:`~edgeadapt.sched.Plan` (:func:`prepare_from_plan`) or an update policy that the planner
+resolves (:func:`prepare_model`); this module only applies them.
 """
 
 from __future__ import annotations
@@ -24,9 +28,12 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..bundle import ParameterEntry
-from ..sched.policy import Mode, UpdatePolicy, resolve_channels
+from ..sched.ir import Param
+from ..sched.plan import ParamPlan, Plan
+from ..sched.policy import Mode, UpdatePolicy
+from ..sched.resolve import resolve_param_list
 
-__all__ = ["FrozenBatchNorm", "ChannelSplit", "PreparedModel", "prepare_model", "channel_masks", "BATCHNORM_MODES"]
+__all__ = ["FrozenBatchNorm", "ChannelSplit", "PreparedModel", "prepare_model", "prepare_from_plan", "channel_masks", "BATCHNORM_MODES"]
 
 log = logging.getLogger(__name__)
 
@@ -106,53 +113,45 @@ def _replace_batchnorms(model: nn.Module) -> int:
     return count
 
 
-def prepare_model(model: nn.Module, policy: UpdatePolicy, batchnorm: str = "frozen") -> PreparedModel:
-    """Copy ``model``, apply the BatchNorm mode and the channel splits that ``policy`` asks for.
-
-    Raises:
-        ValueError: unknown ``batchnorm`` mode, a policy that trains nothing, or channel indices
-            out of range.
-    """
+def _copy_with_batchnorm(model: nn.Module, batchnorm: str) -> nn.Module:
     if batchnorm not in BATCHNORM_MODES:
         raise ValueError(f"batchnorm must be one of {BATCHNORM_MODES}, got {batchnorm!r}")
     prepared = copy.deepcopy(model).eval()
     if batchnorm == "frozen":
         n = _replace_batchnorms(prepared)
         log.debug("replaced %d BatchNorm layers by frozen affine layers", n)
+    return prepared
 
+
+def _apply(prepared: nn.Module, decisions: dict[str, ParamPlan], labels: dict[str, str]) -> PreparedModel:
+    """Channel-split and list the parameters of ``prepared`` as ``decisions`` say (absent: frozen).
+
+    ``labels`` optionally overrides the mode recorded in an entry (``"bias"`` for a bias trained
+    by a bias rule).
+    """
     entries: list[ParameterEntry] = []
     trained_channels: dict[str, tuple[int, ...]] = {}
     for path, module in list(prepared.named_modules()):
-        own = list(module.named_parameters(recurse=False))
-        if not own:
-            continue
-        rule = policy.rule_for(path, type(module).__name__)
-        mode = rule.mode if rule is not None else policy.default
-        channels = None
-        if mode is Mode.CHANNELS:
-            weight = dict(own).get("weight", own[0][1])
-            channels = resolve_channels(rule, path, weight.detach().cpu().numpy())
-            n_out = weight.shape[0]
-            if len(channels) == n_out:  # every channel trains: no frozen slice to split off
-                mode = Mode.FULL
-        for local, param in own:
+        for local, param in list(module.named_parameters(recurse=False)):
             name = f"{path}.{local}" if path else local
             shape = tuple(param.shape)
             numel = int(param.numel())
-            if mode is Mode.FULL or (mode is Mode.BIAS and local == "bias"):
-                entries.append(ParameterEntry(name, shape, mode.value, {"value": name}, numel))
-            elif mode is Mode.CHANNELS:
-                if param.dim() == 0 or shape[0] != n_out:
-                    raise ValueError(
-                        f"policy rule {rule.pattern!r} trains output channels of {path}, but its "
-                        f"parameter {local!r} has shape {list(shape)} without {n_out} channels on axis 0; "
-                        "use mode 'full' or 'frozen' for this module"
-                    )
+            decision = decisions.get(name, ParamPlan(name, Mode.FROZEN))
+            if decision.mode is Mode.CHANNELS:
+                n_out = shape[0] if shape else 1
+                channels = decision.channels
+                if not shape or channels[-1] >= n_out:
+                    raise ValueError(f"the plan trains channels {list(channels)} of {name}, which has shape {list(shape)}")
+                if len(channels) == n_out:
+                    decision = ParamPlan(name, Mode.FULL)
+            if decision.mode is Mode.CHANNELS:
                 parametrize.register_parametrization(module, local, ChannelSplit(channels, n_out), unsafe=True)
                 base = f"{path}.parametrizations.{local}" if path else f"parametrizations.{local}"
                 onnx_names = {"trained": f"{base}.original0", "frozen": f"{base}.original1", "index": f"{base}.0.index"}
-                entries.append(ParameterEntry(name, shape, mode.value, onnx_names, numel // n_out * len(channels)))
+                entries.append(ParameterEntry(name, shape, Mode.CHANNELS.value, onnx_names, numel // n_out * len(channels)))
                 trained_channels[name] = channels
+            elif decision.trains:
+                entries.append(ParameterEntry(name, shape, labels.get(name, Mode.FULL.value), {"value": name}, numel))
             else:
                 entries.append(ParameterEntry(name, shape, Mode.FROZEN.value, {"value": name}, 0))
     if not any(e.trainable_numel for e in entries):
@@ -161,6 +160,55 @@ def prepare_model(model: nn.Module, policy: UpdatePolicy, batchnorm: str = "froz
             f"the module paths (e.g. {[p for p, m in prepared.named_modules() if p][:6]})"
         )
     return PreparedModel(prepared, tuple(entries), trained_channels)
+
+
+def prepare_from_plan(model: nn.Module, plan: Plan, batchnorm: str = "frozen") -> PreparedModel:
+    """Copy ``model``, apply the BatchNorm mode and the plan's per-parameter updates.
+
+    Parameters the plan does not list (the forward never uses them) stay frozen.
+
+    Raises:
+        ValueError: unknown ``batchnorm`` mode, a plan that trains nothing of this model, or
+            channels out of range.
+    """
+    prepared = _copy_with_batchnorm(model, batchnorm)
+    own = {n for n, _ in prepared.named_parameters()}
+    unknown = sorted(p.name for p in plan.params if p.trains and p.name not in own)
+    if unknown:
+        raise ValueError(f"the plan trains parameters this model does not have: {unknown[:5]}; "
+                         "was it made for another model?")
+    return _apply(prepared, {p.name: p for p in plan.params}, {})
+
+
+def _sched_params(module: nn.Module) -> list[Param]:
+    out = []
+    for path, m in module.named_modules():
+        for local, param in m.named_parameters(recurse=False):
+            out.append(Param(f"{path}.{local}" if path else local, tuple(param.shape), param.element_size(),
+                             path, type(m).__name__))
+    return out
+
+
+def prepare_model(model: nn.Module, policy: UpdatePolicy, batchnorm: str = "frozen") -> PreparedModel:
+    """Copy ``model``, apply the BatchNorm mode and the updates that ``policy`` resolves to.
+
+    The policy is resolved by the planner (:func:`edgeadapt.sched.resolve.resolve_param_list`);
+    this only applies the decisions (see :func:`prepare_from_plan` for a whole plan).
+
+    Raises:
+        ValueError: unknown ``batchnorm`` mode, a policy that trains nothing, or channel indices
+            out of range.
+    """
+    prepared = _copy_with_batchnorm(model, batchnorm)
+    params = _sched_params(prepared)
+    weights = {n: p.detach().cpu().numpy() for n, p in prepared.named_parameters()}
+    decisions = resolve_param_list(params, policy, weights)
+    labels = {}
+    for p in params:
+        rule = policy.rule_for(p.module, p.module_type)
+        if (rule.mode if rule is not None else policy.default) is Mode.BIAS and decisions[p.name].trains:
+            labels[p.name] = Mode.BIAS.value
+    return _apply(prepared, decisions, labels)
 
 
 def channel_masks(entries: tuple[ParameterEntry, ...], trained_channels: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:

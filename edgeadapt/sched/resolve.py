@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -25,7 +26,7 @@ from .ir import Graph, Param
 from .plan import Mode, ParamPlan, Plan
 from .policy import Rule, UpdatePolicy
 
-__all__ = ["resolve_channels", "resolve_params", "plan_from_policy", "first_trained_op", "cut_of", "trained_bytes"]
+__all__ = ["resolve_channels", "resolve_params", "resolve_param_list", "plan_from_policy", "first_trained_op", "cut_of", "trained_bytes"]
 
 
 def resolve_channels(rule: Rule, module_path: str, weight: np.ndarray | None, n_out: int | None = None) -> tuple[int, ...]:
@@ -70,15 +71,16 @@ def _module_weight(members: list[Param], weights: dict[str, np.ndarray] | None) 
     return ref, None if w is None else np.asarray(w)
 
 
-def resolve_params(graph: Graph, policy: UpdatePolicy, weights: dict[str, np.ndarray] | None = None) -> tuple[ParamPlan, ...]:
-    """One :class:`ParamPlan` per graph parameter, in graph order (see the module docstring).
+def resolve_param_list(params: Iterable[Param], policy: UpdatePolicy,
+                       weights: dict[str, np.ndarray] | None = None) -> dict[str, ParamPlan]:
+    """Parameter name -> :class:`ParamPlan` for ``params`` (see the module docstring).
 
     Raises:
         ValueError: a channel rule on a module whose parameters do not share the output-channel
             axis, indices out of range, or a ratio without weights.
     """
     by_module: dict[str, list[Param]] = defaultdict(list)
-    for p in graph.params:
+    for p in params:
         by_module[p.module].append(p)
     decided: dict[str, ParamPlan] = {}
     for module, members in by_module.items():
@@ -95,8 +97,8 @@ def resolve_params(graph: Graph, policy: UpdatePolicy, weights: dict[str, np.nda
                     if not p.shape or p.shape[0] != ref.out_channels:
                         raise ValueError(
                             f"policy rule {rule.pattern!r} trains output channels of {module}, but its "
-                            f"parameter {p.name!r} has shape {list(p.shape)} without {ref.out_channels} channels "
-                            "on axis 0; use mode 'full' or 'frozen' for this module"
+                            f"parameter {p.name.rsplit('.', 1)[-1]!r} has shape {list(p.shape)} without "
+                            f"{ref.out_channels} channels on axis 0; use mode 'full' or 'frozen' for this module"
                         )
         for p in members:
             if mode is Mode.FULL or (mode is Mode.BIAS and p.is_bias):
@@ -105,6 +107,12 @@ def resolve_params(graph: Graph, policy: UpdatePolicy, weights: dict[str, np.nda
                 decided[p.name] = ParamPlan(p.name, Mode.CHANNELS, channels)
             else:
                 decided[p.name] = ParamPlan(p.name, Mode.FROZEN)
+    return decided
+
+
+def resolve_params(graph: Graph, policy: UpdatePolicy, weights: dict[str, np.ndarray] | None = None) -> tuple[ParamPlan, ...]:
+    """One :class:`ParamPlan` per graph parameter, in graph order (see :func:`resolve_param_list`)."""
+    decided = resolve_param_list(graph.params, policy, weights)
     return tuple(decided[p.name] for p in graph.params)
 
 

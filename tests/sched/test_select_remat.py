@@ -1,0 +1,131 @@
+"""Update selection (MILP vs greedy vs brute force) and rematerialisation (DP vs brute force)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from sched_testgraphs import random_graph
+
+from edgeadapt.sched import CostModel, Op, Param, Graph
+from edgeadapt.sched.remat import (Chain, brute_force_schedule, chain_flops, chain_from_graph, chain_peak,
+                                   min_flops_schedule, min_peak_schedule, sqrt_schedule)
+from edgeadapt.sched.select import (build_problem, candidate_units, select_brute_force, select_greedy,
+                                    select_milp, selection_peak)
+from edgeadapt.sched.cost import activation_arrays, predict
+from edgeadapt.sched.plan import Plan, ParamPlan, Action
+
+COST = CostModel(session_overhead_bytes=50, per_window_bytes=2)
+
+
+def _problem(rng, n_ops=6, m=2):
+    g = random_graph(rng, n_ops)
+    importance = {p.name: rng.choice([0.0, rng.random() * 10]) for p in g.params}
+    units = candidate_units(g, importance)
+    return g, build_problem(g, units[:10], COST, micro_batch_windows=m, n_windows=rng.randint(1, 20),
+                            optimizer=rng.choice(["adamw", "sgd"]))
+
+
+def test_milp_matches_brute_force_and_beats_greedy():
+    rng = random.Random(3)
+    checked = 0
+    for _ in range(40):
+        g, problem = _problem(rng, rng.randint(2, 7), rng.randint(1, 3))
+        peaks = [selection_peak(problem, (u,), j) for u in range(len(problem.units))
+                 for j in range(len(problem.configs))]
+        peaks = [p for p in peaks if p != float("inf")]
+        lo, hi = min(peaks), max(peaks) * 3
+        for budget in (int(lo), int((lo + hi) / 2), int(hi)):
+            exact = select_brute_force(problem, budget)
+            milp = select_milp(problem, budget)
+            greedy = select_greedy(problem, budget)
+            if exact is None:
+                assert milp is None and greedy is None
+                continue
+            checked += 1
+            assert milp.importance == pytest.approx(exact.importance, rel=1e-9, abs=1e-9)
+            assert selection_peak(problem, milp.units, milp.config) <= budget
+            assert greedy is not None and greedy.importance <= milp.importance + 1e-9
+    assert checked > 40
+
+
+def test_greedy_equals_milp_with_uniform_costs():
+    # Eight equal units on one op: activations do not depend on the choice, so taking the most
+    # important units first is optimal.
+    ops = (Op("a", "Linear", tuple(f"w{i}" for i in range(8)), (), 40, 20),)
+    g = Graph(ops, tuple(Param(f"w{i}", (4,), module="a") for i in range(8)), 16, "uniform")
+    rng = random.Random(5)
+    for _ in range(20):
+        importance = {f"w{i}": rng.random() for i in range(8)}
+        problem = build_problem(g, candidate_units(g, importance), COST, micro_batch_windows=1, n_windows=4,
+                                optimizer="adamw")
+        one = selection_peak(problem, (0,), 0)
+        for k in range(1, 9):
+            budget = int(one + (k - 1) * problem.train_factor * 16) + 1
+            greedy, milp = select_greedy(problem, budget), select_milp(problem, budget)
+            assert len(greedy.units) == len(milp.units) == k
+            assert greedy.importance == pytest.approx(milp.importance)
+
+
+def test_channel_groups_follow_importance():
+    g = Graph((Op("conv", "Conv", ("conv.weight",), (), 10, 10),),
+              (Param("conv.weight", (32, 4, 3), module="conv"),), 8, "c")
+    per_channel = [float(c % 7) for c in range(32)]
+    units = candidate_units(g, {"conv.weight": per_channel}, channel_groups=4)
+    assert len(units) == 4 and sum(len(u.channels) for u in units) == 32
+    assert units[0].importance == max(u.importance for u in units)
+    assert all(u.trained_bytes == len(u.channels) * 4 * 3 * 4 for u in units)
+    with pytest.raises(ValueError, match="one per output channel"):
+        candidate_units(g, {"conv.weight": [1.0, 2.0]})
+
+
+def _random_chain(rng, m):
+    return Chain(tuple(f"e{i}" for i in range(m)), tuple(rng.randint(1, 50) for _ in range(m)),
+                 tuple(rng.randint(1, 100) for _ in range(m)), tuple(rng.randint(1, 60) for _ in range(m)),
+                 tuple(rng.randint(1, 60) for _ in range(m)), rng.randint(0, 60), rng.choice([-1, rng.randint(0, 60)]))
+
+
+def test_remat_dp_matches_brute_force():
+    rng = random.Random(11)
+    for _ in range(150):
+        chain = _random_chain(rng, rng.randint(0, 10))
+        keep_all = chain_peak(chain, (False,) * len(chain))
+        limit = rng.randint(0, keep_all + 5)
+        exact, dp = brute_force_schedule(chain, limit), min_flops_schedule(chain, limit, max_front=None)
+        assert (exact is None) == (dp is None)
+        if exact is not None:
+            assert chain_peak(chain, dp) <= limit
+            assert chain_flops(chain, dp) == chain_flops(chain, exact)
+        low, schedule = min_peak_schedule(chain, max_front=None)
+        brute_low = min(chain_peak(chain, tuple(bool(mask >> e & 1) for e in range(len(chain))))
+                        for mask in range(1 << len(chain)))
+        assert low == brute_low == chain_peak(chain, schedule)
+        assert low <= chain_peak(chain, sqrt_schedule(chain))
+
+
+def test_capped_front_stays_within_limit_on_long_chains():
+    rng = random.Random(2)
+    chain = _random_chain(rng, 120)
+    low, schedule = min_peak_schedule(chain)  # capped fronts: the least-memory point always survives
+    assert chain_peak(chain, schedule) == low
+    limit = (low + chain_peak(chain, (False,) * 120)) // 2
+    s = min_flops_schedule(chain, limit)
+    assert chain_peak(chain, s) <= limit
+
+
+def test_chain_peak_equals_predict_activation_peak():
+    rng = random.Random(7)
+    for _ in range(100):
+        g = random_graph(rng, rng.randint(2, 10))
+        trained = {g.params[-1].name, rng.choice(g.params).name}
+        arr = activation_arrays(g, trained, 0)
+        chain = chain_from_graph(g, arr)
+        rec = tuple(rng.random() < 0.5 for _ in range(len(chain)))
+        params = tuple(ParamPlan(p.name, "full" if p.name in trained else "frozen") for p in g.params)
+        first = min(g.owner_index(n) for n in trained)
+        acts = tuple((n, Action.RECOMPUTE) for n, r in zip(chain.names, rec) if r)
+        plan = Plan(g.name, params, first - 1, 1, 1, 1, False, acts)
+        peak = predict(g, plan, CostModel())
+        held = peak.phases_bytes["rollback"]
+        act = max(peak.phases_bytes["forward"], peak.phases_bytes.get("backward", 0)) - held
+        assert act == chain_peak(chain, rec)
