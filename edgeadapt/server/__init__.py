@@ -8,13 +8,14 @@ from ..sched.offload import BudgetExceeded
 from .checkpoint import CheckpointMismatch
 from .executor import StreamingExecutor
 from .optim import OptimizerSpec
+from .progress import TrainProgress
 from .residency import MemoryLedger, Residency
 from .store import DiskStore, HostStore, OffloadDirError
 from .trace import Block, BlockError, find_blocks, trace_graph
 from .trainer import LOSSES, Trainer, resolve_device
 
 __all__ = [
-    "Trainer", "OptimizerSpec", "LOSSES", "resolve_device",
+    "Trainer", "OptimizerSpec", "LOSSES", "resolve_device", "TrainProgress",
     "BudgetExceeded", "CheckpointMismatch", "OffloadDirError", "BlockError",
     "StreamingExecutor", "MemoryLedger", "Residency", "HostStore", "DiskStore",
     "Block", "find_blocks", "trace_graph",

@@ -116,7 +116,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.Tensor],
-                blocks: list[Block] | None = None) -> Graph:
+                blocks: list[Block] | None = None, *, param_shapes: dict[str, tuple[int, ...]] | None = None) -> Graph:
     """Trace ``model`` on the meta device and describe it as a block graph.
 
     Args:
@@ -124,6 +124,8 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
         example_input: one batch (or a tuple of positional inputs); byte counts are divided by
             its first dimension to give per-window figures.
         blocks: the blocks, as :func:`find_blocks` returns them (computed if omitted).
+        param_shapes: parameter shapes to trace with, when the module's own parameters no longer
+            hold them (a model whose weights the trainer has moved out); float32 assumed.
 
     Returns:
         A :class:`Graph` with one op of kind ``"block"`` per block, in execution order.
@@ -135,8 +137,9 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
     inputs = tuple(example_input) if isinstance(example_input, (tuple, list)) else (example_input,)
     batch = int(inputs[0].shape[0]) if inputs[0].dim() else 1
     meta_inputs = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in inputs)
-    state = {n: torch.empty_like(p, device="meta").requires_grad_(p.requires_grad)
-             for n, p in model.named_parameters()}
+    if param_shapes is None:
+        param_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    state = {n: torch.empty(shape, device="meta", requires_grad=True) for n, shape in param_shapes.items()}
     state.update({n: torch.empty_like(b, device="meta") for n, b in model.named_buffers()})
     param_keys = {id(t) for t in state.values()}
 
@@ -188,7 +191,7 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
         raise BlockError(f"blocks {missing} never run in the forward of the example input; the streaming "
                          "trainer needs every parameter block on the path")
 
-    named = dict(model.named_parameters())
+    named = {n: state[n] for n in param_shapes}
     params: list[Param] = []
     ops: list[Op] = []
     prev: str | None = None

@@ -24,6 +24,7 @@ which must average ``grads`` in place across the group.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
@@ -251,7 +252,8 @@ class Trainer:
         y = y.to(self.device)
         batch = int(xs[0].shape[0])
         if self._graph is None:
-            self._graph = trace_graph(self._model, x, self.blocks)
+            with self.executor.uninstalled() if self.executor is not None else contextlib.nullcontext():
+                self._graph = trace_graph(self._model, x, self.blocks, param_shapes=self.param_shapes)
         in_bytes = sum(t.numel() * t.element_size() for t in xs) + y.numel() * y.element_size()
         outside: list[torch.Tensor] = []
         ex = self.executor
