@@ -24,13 +24,13 @@ from dataclasses import replace
 import numpy as np
 
 from .cost import CostModel, activation_arrays, clean_cut, predict
-from .errors import BudgetExceeded, NoFeasiblePlan
+from .errors import NoFeasiblePlan
 from .ir import Graph
-from .plan import Action, Mode, ParamPlan, Peak, Plan, parse_bytes
+from .plan import Action, Mode, ParamPlan, Plan, parse_bytes
 from .policy import UpdatePolicy
 from .remat import chain_from_graph, min_flops_schedule, min_peak_schedule
 from .resolve import cut_of, plan_from_policy
-from .select import build_problem, candidate_units, select_greedy, select_milp
+from .select import Selection, build_problem, candidate_units, select_greedy, select_milp, selection_peak
 from .verify import verify
 
 __all__ = ["plan_for_budget", "replan", "micro_batch_sizes", "minimum_budget"]
@@ -148,15 +148,31 @@ def _plan_from_selection(graph: Graph, problem, selection, base: Plan) -> Plan:
                    micro_batch_windows=problem.micro_batch_windows), config.remat
 
 
+def _smallest(graph: Graph, units, cost: CostModel, n_windows: int, optimizer: str, base: Plan,
+              allow_cache: bool, allow_remat: bool) -> tuple[int, str]:
+    problem = build_problem(graph, units, cost, micro_batch_windows=1, n_windows=n_windows, optimizer=optimizer,
+                            allow_cache=allow_cache, allow_remat=allow_remat)
+    best = min(((selection_peak(problem, (u,), j), u, j) for u in range(len(units))
+                for j in range(len(problem.configs))), default=None)
+    if best is None or best[0] == math.inf:
+        raise ValueError(f"graph {graph.name!r} has no parameter to train")
+    plan, remat = _plan_from_selection(graph, problem, Selection((best[1],), best[2], 0.0), base)
+    if remat:
+        plan = _with_remat(graph, plan, cost, None, minimal=True) or plan
+    # The solvers see real-valued sums; predict rounds each phase up: both must fit.
+    peak = predict(graph, plan, cost)
+    return max(int(math.ceil(best[0])), peak.peak_bytes), peak.where
+
+
 def minimum_budget(graph: Graph, *, n_windows: int = 128, batch_windows: int = 32, optimizer: str = "adamw",
-                   cost: CostModel | None = None, importance: dict | None = None) -> int:
-    """The smallest budget for which :func:`plan_for_budget` finds a plan (selection mode)."""
+                   cost: CostModel | None = None, importance: dict | None = None, allow_cache: bool = True,
+                   allow_remat: bool = True) -> int:
+    """The smallest budget for which :func:`plan_for_budget` (selecting updates) finds a plan."""
     cost = cost or CostModel.default()
-    units = candidate_units(graph, importance)
-    problem = build_problem(graph, units, cost, micro_batch_windows=1, n_windows=n_windows, optimizer=optimizer)
-    from .select import selection_peak
-    return int(math.ceil(min(selection_peak(problem, (u,), j) for u in range(len(units))
-                             for j in range(len(problem.configs))))) + 2
+    base = Plan(graph=graph.name, params=tuple(ParamPlan(p.name, Mode.FROZEN) for p in graph.params),
+                batch_windows=batch_windows, micro_batch_windows=1, n_windows=n_windows, optimizer=optimizer)
+    return _smallest(graph, candidate_units(graph, importance), cost, n_windows, optimizer, base,
+                     allow_cache, allow_remat)[0]
 
 
 def plan_for_budget(graph: Graph, budget_bytes: int | str, *, importance: dict | None = None, n_windows: int = 128,
@@ -219,9 +235,9 @@ def plan_for_budget(graph: Graph, budget_bytes: int | str, *, importance: dict |
                 results.append((sel.importance, m, plan))
                 break
     if not results:
-        need = minimum_budget(graph, n_windows=n_windows, batch_windows=batch_windows, optimizer=optimizer,
-                              cost=cost, importance=importance)
-        raise NoFeasiblePlan(max(need, budget + 1), budget, "selection")
+        need, where = _smallest(graph, units, cost, n_windows, optimizer, replace(base, micro_batch_windows=1),
+                                allow_cache, allow_remat)
+        raise NoFeasiblePlan(max(need, budget + 1), budget, where)
     best = max(r[0] for r in results)
     for value, m, plan in results:  # largest micro-batch first
         if value >= (1.0 - importance_tolerance) * best:

@@ -26,7 +26,7 @@ from .cost import CostModel, activation_arrays, clean_cut, live_bytes
 from .ir import Graph
 from .remat import chain_from_graph, chain_peak, min_peak_schedule
 
-__all__ = ["Unit", "Config", "SelectionProblem", "candidate_units", "build_problem", "select_milp", "select_greedy",
+__all__ = ["Unit", "Config", "Selection", "SelectionProblem", "candidate_units", "build_problem", "select_milp", "select_greedy",
            "select_brute_force", "selection_peak"]
 
 log = logging.getLogger(__name__)
@@ -220,6 +220,8 @@ def _best_config(problem: SelectionProblem, chosen: tuple[int, ...], budget: flo
 
 @dataclass(frozen=True)
 class Selection:
+    """A solver's answer: unit indices, the configuration index and the total importance."""
+
     units: tuple[int, ...]
     config: int
     importance: float
