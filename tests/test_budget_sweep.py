@@ -1,0 +1,96 @@
+"""benchmarks/budget_sweep.py: its helpers, and a smoke run of its measuring workers at the smallest sizes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "budget_sweep.py"
+
+
+@pytest.fixture(scope="module")
+def bs():
+    spec = importlib.util.spec_from_file_location("budget_sweep", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ladder_is_geometric_and_keeps_both_ends(bs):
+    ladder = bs.budget_ladder(1000, 64000, 7)
+    assert ladder[0] == 1000 and ladder[-1] == 64000 and len(ladder) == 7
+    steps = [b / a for a, b in zip(ladder, ladder[1:])]
+    assert all(s == pytest.approx(2.0, rel=1e-3) for s in steps)
+
+
+def test_ladder_adds_extra_budgets_inside_only(bs):
+    ladder = bs.budget_ladder(1000, 8000, 2, extra=(500, 3000, 8000, 9000))
+    assert ladder == [1000, 3000, 8000]
+    assert bs.budget_ladder(5, 5, 3) == [5]
+    with pytest.raises(ValueError, match="count"):
+        bs.budget_ladder(1, 2, 1)
+    with pytest.raises(ValueError, match="low_bytes"):
+        bs.budget_ladder(0, 2, 3)
+
+
+def test_pareto_front_drops_dominated_points(bs):
+    points = [(10.0, 0.80), (5.0, 0.90), (20.0, 0.95), (7.0, 0.85), (30.0, 0.95)]
+    # (10, .80) and (7, .85) are dominated by (5, .90); (30, .95) by (20, .95).
+    assert bs.pareto_front(points) == [1, 2]
+
+
+def test_summary_ratios_and_points_vs_full(bs):
+    rows = [{"subject": s, "method": m, "accuracy": a, "call_peak_bytes": c, "call_peak_anon_bytes": c // 2,
+             "trainable_numel": n}
+            for s, m, a, c, n in ((1, "full", 0.90, 8000, 100), (2, "full", 0.80, 8000, 100),
+                                  (1, "budget 1 KiB", 0.88, 400, 5), (2, "budget 1 KiB", 0.80, 200, 5))]
+    rows.append({"subject": 3, "method": "budget 1 KiB", "error": "boom"})
+    summ = bs.loso_summary(rows, ["full", "budget 1 KiB"], {"call_peak_bytes": 6000, "call_peak_anon_bytes": 3000})
+    b = summ["budget 1 KiB"]
+    assert b["mean_accuracy"] == pytest.approx(0.84) and b["worst_subject"] == 2
+    assert b["median_call_peak_bytes"] == 300 and b["torch_over_runner"] == pytest.approx(20.0)
+    assert b["torch_over_runner_anon"] == pytest.approx(3000 / 150)
+    assert b["vs_full_points"] == pytest.approx(-1.0) and b["errors"] == ["boom"]
+
+
+def test_chain_planner_beats_or_matches_sqrt_checkpointing(bs):
+    r = bs.time_chain_planner(n_ops=24, seed=1)
+    assert r["min_peak_bytes"] <= min(r["sqrt_peak_bytes"], r["keep_all_peak_bytes"])
+    assert r["min_flops_peak_bytes"] <= r["limit_bytes"]
+    assert r["min_flops_recompute_flops"] <= r["min_peak_recompute_flops"]
+
+
+@pytest.mark.slow
+def test_workers_measure_a_budget_bundle_and_torch_eager(bs, tmp_path):
+    """Export the CNN at its smallest feasible budget (8 x 32 input), adapt it in the torch-free
+    worker and run torch eager full fine-tuning in the other: both report their peaks."""
+    import torch
+
+    model = bs.reference_model("cnn", 8, 7, 32, seed=0)
+    example = torch.zeros(2, 8, 32)
+    ladder = bs.model_ladder(model, example, n_windows=14, batch_windows=8, count=2)
+    low = ladder["budgets"][0]
+    assert low == ladder["minimum_budget_bytes"] < ladder["full_predicted_bytes"]
+    manifest, _ = bs.export_bundle_at(model, example, tmp_path / "bundle", lr=1e-3, budget=low, n_windows=14,
+                                      batch_windows=8)
+    assert manifest["plan"]["predicted_peak_bytes"] <= low
+    spec = {"bundle": str(tmp_path / "bundle"), "n_windows": 14, "batch_windows": 8, "epochs": 1, "threads": 1,
+            "seed": 0, "lr": 1e-3}
+    run = bs.run_worker("runner", spec, tmp_path / "run")
+    assert run["torch_imported"] is False
+    assert run["trainable_numel"] == bs.manifest_trainable(manifest) > 0
+    assert run["steps"] == 2 and len(run["epoch_losses"]) == 1
+    assert 0 <= run["step_peak_bytes"] <= run["call_peak_bytes"]
+    assert run["call_peak_anon_bytes"] is not None
+    state = tmp_path / "state.pt"
+    torch.save(model.state_dict(), state)
+    eager = bs.run_worker("torch", {"model": "cnn", "state_dict": str(state), "n_channels": 8, "n_classes": 7,
+                                    "time_steps": 32, "n_windows": 14, "batch_windows": 8, "epochs": 1,
+                                    "threads": 1, "seed": 0, "lr": 1e-3}, tmp_path / "torch")
+    assert eager["steps"] == 2 and eager["total_numel"] == sum(p.numel() for p in model.parameters())
+    assert 0 <= eager["step_peak_bytes"] <= eager["call_peak_bytes"]
+    assert 0 <= eager["step_peak_anon_bytes"] <= eager["call_peak_anon_bytes"]
+    assert json.loads((tmp_path / "run" / "runner_report.json").read_text()) == run
