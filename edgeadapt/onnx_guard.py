@@ -32,7 +32,16 @@ import numpy as np
 
 from .bundle import CONTRACT_KEY, BundleError, Manifest, check_member_name, contract_digest, file_size_limits, member_path
 
-__all__ = ["ALLOWED_DOMAINS", "MAX_IR_VERSION", "check_bundle_models", "check_onnx_file", "check_masks", "stamp_contract"]
+__all__ = [
+    "ALLOWED_DOMAINS",
+    "MAX_IR_VERSION",
+    "MAX_ABS_VALUE",
+    "check_bundle_models",
+    "check_checkpoint_values",
+    "check_onnx_file",
+    "check_masks",
+    "stamp_contract",
+]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +50,9 @@ log = logging.getLogger(__name__)
 #: (``SoftmaxCrossEntropyLossInternal``, ``InPlaceAccumulatorV2``, ``AdamWOptimizer``,
 #: ``SGDOptimizerV2``, ...), and the training preview domain that ORT's artifacts may declare.
 ALLOWED_DOMAINS = frozenset({"", "ai.onnx", "com.microsoft", "ai.onnx.preview.training"})
+#: Largest magnitude a checkpoint value may have: beyond it float32 products overflow to inf in a
+#: forward pass (a sign of damaged bytes, not of a trained model).
+MAX_ABS_VALUE = 1e12
 #: ONNX Runtime 1.19.2 loads models of IR version <= 10.
 MAX_IR_VERSION = 10
 _MODEL_ROLES = ("training_model", "eval_model", "optimizer_model", "prefix_model")
@@ -57,6 +69,52 @@ def _load(path: Path):
         return onnx.load_model(str(path), load_external_data=False)
     except (DecodeError, ValueError, RuntimeError, OSError, RecursionError) as e:
         raise BundleError(f"{path}: not a readable ONNX model ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def _check_strings(path: Path, model) -> None:
+    """Decode every name the checks and ONNX Runtime read: protobuf decodes strings lazily, so
+    damaged text would otherwise surface later as a raw ``UnicodeDecodeError``."""
+    try:
+        texts = [model.producer_name, model.domain, *(o.domain for o in model.opset_import),
+                 *(x for p in model.metadata_props for x in (p.key, p.value))]
+        for graph in _subgraphs(model.graph):
+            texts.append(graph.name)
+            for v in (*graph.input, *graph.output, *graph.value_info):
+                texts += [v.name, *(d.dim_param for d in v.type.tensor_type.shape.dim)]
+            for t in graph.initializer:
+                texts += [t.name, *(x for e in t.external_data for x in (e.key, e.value))]
+            for node in graph.node:
+                texts += [node.name, node.op_type, node.domain, *node.input, *node.output,
+                          *(a.name for a in node.attribute)]
+        bad = next((t for t in texts if not isinstance(t, str)), None)
+    except (UnicodeDecodeError, ValueError, TypeError) as e:
+        raise BundleError(f"{path}: damaged ONNX model (a name is not valid text: {str(e)[:120]})") from None
+    if bad is not None:
+        raise BundleError(f"{path}: damaged ONNX model (a name is not valid text: {bad[:40]!r})")
+
+
+def _check_wiring(path: Path, graph, outer: frozenset[str] = frozenset()) -> None:
+    """Every node input is produced somewhere (graph input, initializer, an earlier scope or
+    some node's output) and no name is produced twice: what ONNX Runtime checks when it builds
+    a session, here before one is built (the training session opens lazily)."""
+    produced = set(outer) | {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    produced |= {s.values.name for s in graph.sparse_initializer}
+    for node in graph.node:
+        for out in node.output:
+            if out and out in produced and out not in outer:
+                raise BundleError(f"{path}: node {node.name or node.op_type!r} writes {out!r}, which is already defined")
+            produced.add(out)
+    for node in graph.node:
+        for name in node.input:
+            if name and name not in produced:
+                raise BundleError(f"{path}: node {node.name or node.op_type!r} reads {name!r}, which nothing in the "
+                                  "graph produces; the model is damaged")
+        for attr in node.attribute:
+            for g in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                _check_wiring(path, g, frozenset(produced))
+    for v in graph.output:
+        if v.name not in produced:
+            raise BundleError(f"{path}: graph output {v.name!r} is produced by no node; the model is damaged")
 
 
 def _subgraphs(graph) -> Iterator:
@@ -101,6 +159,8 @@ def check_onnx_file(bundle_dir: str | Path, name: str, checksummed: set[str] | f
     """
     path = member_path(bundle_dir, name)
     model = _load(path)
+    _check_strings(path, model)
+    _check_wiring(path, model.graph)
     if model.ir_version > MAX_IR_VERSION:
         raise BundleError(f"{path}: ONNX IR version {model.ir_version}; ONNX Runtime 1.19.2 loads <= {MAX_IR_VERSION}")
     if len(model.functions):
@@ -267,8 +327,8 @@ def check_masks(bundle_dir: str | Path, manifest: Manifest, training_model=None)
     try:
         with zipfile.ZipFile(path) as z:
             unpacked = sum(i.file_size for i in z.infolist())
-    except (zipfile.BadZipFile, OSError, ValueError) as e:
-        raise BundleError(f"{path}: not a readable .npz archive ({e})") from None
+    except Exception as e:  # zipfile raises BadZipFile, OSError, ValueError, NotImplementedError, ...
+        raise BundleError(f"{path}: not a readable .npz archive ({type(e).__name__}: {str(e)[:200]})") from None
     if unpacked > limit:
         raise BundleError(f"{path}: unpacks to {unpacked} bytes, far more than this model's masks need ({limit}); not read")
     try:
@@ -299,8 +359,12 @@ def check_masks(bundle_dir: str | Path, manifest: Manifest, training_model=None)
                               f"mode {p.mode!r} and {p.trainable_numel} trainable elements")
 
 
-def check_bundle_models(bundle_dir: str | Path, manifest: Manifest) -> None:
+def check_bundle_models(bundle_dir: str | Path, manifest: Manifest) -> tuple[str, ...]:
     """Everything in this module's docstring, for a bundle whose checksums were verified.
+
+    Returns:
+        The names of the training graph's parameter inputs (the tensors the checkpoint must
+        hold), for :func:`check_checkpoint_values`.
 
     Raises:
         BundleError: naming the file and what is wrong.
@@ -332,11 +396,58 @@ def check_bundle_models(bundle_dir: str | Path, manifest: Manifest) -> None:
             raise BundleError(f"{paths['prefix_model']}: input has shape {info[manifest.input.name][1]}, "
                               f"the manifest says {list(manifest.input.shape)}")
         data_input, data_dims = _FEATURES, None
-    for role in ("training_model", "eval_model"):
-        _check_io(paths[role], models[role], manifest, data_input, data_dims)
-    _check_parameters(paths["training_model"], models["training_model"], manifest, models.get("prefix_model"))
-    _check_optimizer(paths["optimizer_model"], models["optimizer_model"], manifest)
+    checks = [(role, _check_io, (manifest, data_input, data_dims)) for role in ("training_model", "eval_model")]
+    checks += [("training_model", _check_parameters, (manifest, models.get("prefix_model"))),
+               ("optimizer_model", _check_optimizer, (manifest,))]
+    for role, check, args in checks:
+        try:
+            check(paths[role], models[role], *args)
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+            if isinstance(e, BundleError):
+                raise
+            raise BundleError(f"{paths[role]}: malformed model ({type(e).__name__}: {str(e)[:200]})") from None
     check_masks(bundle_dir, manifest, models["training_model"])
+    skip = {data_input, *((manifest.label["name"],) if manifest.label else ()), "lazy_reset_grad"}
+    return tuple(v.name for v in models["training_model"].graph.input
+                 if v.name not in skip and not v.name.endswith("_grad.accumulation.buffer"))
+
+
+def check_checkpoint_values(get_tensor, names: tuple[str, ...], manifest: Manifest, bundle_dir: str | Path) -> None:
+    """Check the values ONNX Runtime loaded from the checkpoint, one tensor at a time.
+
+    Every parameter input of the training graph must be present, finite and below
+    :data:`MAX_ABS_VALUE` in magnitude; a channel-split
+    parameter's index must be a permutation of its channels (a damaged index would gather
+    out of bounds).
+
+    Args:
+        get_tensor: ``name -> numpy array`` (a copy) of the loaded checkpoint state.
+        names: from :func:`check_bundle_models`.
+        manifest: the bundle's manifest.
+        bundle_dir: for messages.
+
+    Raises:
+        BundleError: naming the checkpoint file and the tensor.
+    """
+    path = Path(bundle_dir) / manifest.files["checkpoint"]
+    index_of = {p.onnx_names["index"]: p for p in manifest.parameters if p.is_split}
+    for name in names:
+        try:
+            value = get_tensor(name)
+        except Exception as e:  # ORT raises its own types for a missing parameter
+            raise BundleError(f"{path}: holds no tensor {name!r} that the training graph needs ({str(e)[:120]})") from None
+        if name in index_of:
+            n = index_of[name].shape[0]
+            if value.shape != (n,) or not np.array_equal(np.sort(value), np.arange(n)):
+                raise BundleError(f"{path}: the channel index {name!r} of {index_of[name].name} is not a "
+                                  f"permutation of its {n} channels; the checkpoint is damaged")
+        elif np.issubdtype(value.dtype, np.floating) and value.size:
+            if not np.isfinite(value).all():
+                raise BundleError(f"{path}: tensor {name!r} holds {int((~np.isfinite(value)).sum())} NaN or infinite "
+                                  "values; the checkpoint is damaged - restore a copy or re-export")
+            if (peak := float(np.abs(value).max())) > MAX_ABS_VALUE:
+                raise BundleError(f"{path}: tensor {name!r} holds a value of magnitude {peak:.3g} (> {MAX_ABS_VALUE:g}, "
+                                  "which overflows float32 arithmetic); the checkpoint is damaged - restore a copy or re-export")
 
 
 def stamp_contract(bundle_dir: str | Path, manifest: Manifest) -> Manifest:

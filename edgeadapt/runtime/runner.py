@@ -28,11 +28,11 @@ from tqdm.auto import tqdm
 from ..atomic import atomic_path, staged_directory, sweep_stale_stages
 from ..bundle import BundleError, Manifest, bundle_lock, read_manifest, sha256_file, sweep_orphans, write_manifest
 from .backend import OrtTrainingBackend, TrainingBackend
-from .errors import NonFiniteLossError
+from .errors import DeviceUnavailableError, NonFiniteLossError
 from .peaks import AdaptPeaks
 from .rollback import EpochValues
 from .features import PrefixModel, merge_inference, open_prefix, suffix_inputs
-from ..onnx_guard import check_bundle_models
+from ..onnx_guard import check_bundle_models, check_checkpoint_values
 from .validate import check_inputs, check_labels, check_learning_rate
 
 __all__ = ["Runner", "AdaptResult", "EvalResult", "SCHEDULES"]
@@ -133,19 +133,24 @@ class Runner:
         # Shared lock: a concurrent in-place save cannot remove the checkpoint being read.
         with bundle_lock(bundle_dir, exclusive=False):
             manifest = read_manifest(bundle_dir, verify=True)
-            check_bundle_models(bundle_dir, manifest)
+            parameter_names = check_bundle_models(bundle_dir, manifest)
             try:
                 runner = cls(bundle_dir, manifest, open_backend)
                 runner._prefix = open_prefix(bundle_dir, manifest, device="cuda" if device == "cuda" else "cpu",
                                              threads=threads)
             except Exception as e:
-                if not type(e).__module__.startswith("onnxruntime"):
+                # ORT raises its pybind types, or a bare RuntimeError naming its own C++ source.
+                if isinstance(e, DeviceUnavailableError) or not (
+                        type(e).__module__.startswith("onnxruntime") or type(e) is RuntimeError):
                     raise
                 reason = (str(e).strip().splitlines() or [type(e).__name__])[-1][:300]
+                opened = ", ".join(manifest.files[r] for r in ("training_model", "eval_model", "optimizer_model",
+                                                               "checkpoint", "prefix_model") if r in manifest.files)
                 raise BundleError(
-                    f"{bundle_dir}: ONNX Runtime could not open the models and checkpoint "
-                    f"{manifest.files['checkpoint']} ({reason}); the bundle is damaged - re-export it or restore a copy"
+                    f"{bundle_dir}: ONNX Runtime could not open {opened} ({reason}); the bundle is damaged - "
+                    "re-export it or restore a copy"
                 ) from None
+            check_checkpoint_values(runner._backend.get_tensor, parameter_names, manifest, bundle_dir)
         with bundle_lock(bundle_dir, exclusive=True, blocking=False) as free:
             if free and (removed := sweep_orphans(bundle_dir, manifest)):
                 log.info("%s: removed %s left by an interrupted save", bundle_dir, removed)
