@@ -8,34 +8,41 @@ For each target subject of the dataset (one *fold*):
    window) to evaluate on, so adaptation and evaluation data are disjoint.
 2. ``study.pretrain_source``: one source model per fold, pretrained once; every method starts
    from this same model.
-3. ``study.run_method`` for each method: export a bundle for the method and adapt it to the
-   target in a fresh torch-free process (``edgeadapt.harness.adapt_job``), which reports accuracy on the
-   target's evaluation windows before and after, the trained elements, and the peak memory of
-   the adaptation as DESIGN.md defines it (VmHWM delta over the same process with the model
-   loaded and no step run; that loaded baseline is reported too).
+3. ``study.select_learning_rates``: each method's learning rate is chosen on the fold's source
+   subjects only, never on the held-out one: ``--validation-subjects`` source subjects (seeded
+   choice) each play the new subject once (pretrain on the other source subjects, adapt from k
+   windows per class at every rate of ``--lr-grid``, accuracy on its other windows); the rate
+   with the best mean accuracy wins. ``--fixed-lr`` skips this and uses one rate for all.
+4. ``study.run_method`` for each method: export a bundle for the method and adapt it to the
+   target at the chosen rate in a fresh torch-free process (``edgeadapt.harness.adapt_job``),
+   which reports accuracy on the target's evaluation windows before and after, the trained
+   elements and memory over the loaded runner (docs/design.md, "Measuring"): the peak of one
+   training step and of the whole adapt call (which also holds the per-epoch rollback
+   checkpoint), each total (VmHWM) and anonymous-only (sampled RssAnon).
 
-Methods: ``source-only`` (the pretrained model unchanged = ``accuracy_before``), ``last-layer``,
-``bias-norm`` (biases + norm affine), ``bn-stats`` (BatchNorm statistics re-estimated on the
-target's adaptation windows, label-free), ``entropy`` (entropy minimisation, Tent, label-free),
-``sparse`` (the model's default channel-subset policy, ``study.sparse_policy``: head + 25 % of
-the last block's channels), ``sparse-12`` (the same policy with 12.5 % of the channels) and
-``full`` fine-tuning. Learning rate ``--lr`` times the method's ``lr_scale`` from
-``study.method_recipe``.
+Methods (``study.METHODS``, the one registry): ``source-only`` (the pretrained model unchanged =
+``accuracy_before``), ``last-layer``, ``bias-norm`` (biases + norm affine), ``bn-stats``
+(BatchNorm statistics re-estimated on the target's adaptation windows, label-free, learning rate
+0), ``entropy`` (entropy minimisation, Tent, label-free), ``sparse`` (the model's default
+channel-subset policy, ``study.sparse_policy``: head + 25 % of the last block's channels),
+``sparse-12`` (the same policy with 12.5 % of the channels) and ``full`` fine-tuning.
 
-Summary per method: mean and worst-subject accuracy on the target's evaluation windows; trained
-elements and trained bytes (float32 parameters: elements x 4; the gradients plus the two AdamW
-moments add 3x that again); peak step memory (median over folds of ``peak_step_delta_bytes``,
-MB = 2**20 bytes); adaptation time as a ratio to full fine-tuning in the same fold (speed only as
-ratios: the machines are shared).
+Summary per method: mean and worst-subject accuracy on the target's evaluation windows; the
+learning rates chosen across folds; trained elements and trained bytes (float32 parameters:
+elements x 4; the gradients plus the two AdamW moments add 3x that again); memory, median over
+folds, MB = 2**20 bytes; adaptation time as a ratio to full fine-tuning in the same fold (speed
+only as ratios: the machines are shared). Pretraining and adaptation run on ``--threads``
+pinned threads (default 1) with deterministic torch algorithms.
 
-Writes ``<out>/loso_<dataset>_<model>.json`` (config, per-fold and per-subject per-method rows,
-summary; rewritten after every fold), ``.md`` (Markdown table) and ``.png`` (two panels: mean
-accuracy with worst-subject markers, peak step memory). Prints the table at the end.
+Writes ``<out>/loso_<dataset>_<model>.json`` (config, host, per-fold and per-subject per-method
+rows, learning-rate selections, summary; rewritten after every fold), ``.md`` (Markdown table)
+and ``.png`` (two panels: mean accuracy with worst-subject markers, step and call peaks).
+Prints the table at the end.
 
 Usage::
 
     .venv/bin/python benchmarks/loso.py --dataset synthetic --model cnn
-    .venv/bin/python benchmarks/loso.py --dataset watch --subjects 1 2 --epochs 10   # quick look
+    .venv/bin/python benchmarks/loso.py --dataset watch --subjects 1 2 --epochs 10 --fixed-lr 3e-3  # quick look
 """
 
 from __future__ import annotations
@@ -57,36 +64,17 @@ if str(REPO) not in sys.path:
 from edgeadapt.atomic import atomic_write_bytes, atomic_write_json  # noqa: E402
 from edgeadapt.datasets import SyntheticConfig, WindowDataset, load_dataset, make_synthetic  # noqa: E402
 from edgeadapt.harness.study import (  # noqa: E402
-    LABEL_FREE, make_split, method_recipe, per_subject_accuracy, pretrain_source, run_method,
-    save_target_data, sparse_policy,
+    ALL_METHODS, FIXED_LR, LABEL_FREE, LR_GRID, METHODS, make_split, per_subject_accuracy, pretrain_source,
+    run_method, save_target_data, select_learning_rates,
 )
+from edgeadapt.versions import host_info  # noqa: E402
 
 log = logging.getLogger("loso")
 
 MB = 2**20
 FLOAT32_BYTES = 4
-# Method name -> (study method, policy override or None). Order = table order.
-ADAPTED = {
-    "last-layer": ("last-layer", None),
-    "bias-norm": ("bias-norm", None),
-    "bn-stats": ("bn-stats", None),
-    "entropy": ("entropy", None),
-    "sparse": ("sparse", None),
-    "sparse-12": ("sparse", "ratio:0.125"),
-    "full": ("full", None),
-}
-ALL_METHODS = ("source-only", *ADAPTED)
-
-
-def _policy_for(name: str, model_name: str) -> str | None:
-    _, override = ADAPTED[name]
-    if override is None:
-        return None
-    ratio = override.split(":", 1)[1]
-    spec = sparse_policy(model_name)
-    return ",".join(
-        f"{item.split('=')[0]}=channels:{ratio}" if "=channels:" in item else item for item in spec.split(",")
-    )
+# Memory figures of each adapted row (bytes over the loaded runner; see edgeadapt.harness.adapt_job).
+PEAKS = ("step_peak_bytes", "call_peak_bytes", "step_peak_anon_bytes", "call_peak_anon_bytes")
 
 
 def _code_version() -> dict:
@@ -113,6 +101,11 @@ def _load(name: str, seed: int) -> WindowDataset:
     return load_dataset(name)
 
 
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
 def _summary(rows: list[dict], methods: list[str]) -> dict[str, dict]:
     out = {}
     for m in methods:
@@ -121,10 +114,8 @@ def _summary(rows: list[dict], methods: list[str]) -> dict[str, dict]:
             continue
         acc = [r["accuracy"] for r in mine]
         worst = min(mine, key=lambda r: r["accuracy"])
-        peaks = [r["peak_step_delta_bytes"] for r in mine if r["peak_step_delta_bytes"] is not None]
-        bases = [r["loaded_rss_bytes"] for r in mine if r["loaded_rss_bytes"] is not None]
-        ratios = [r["adapt_time_vs_full"] for r in mine if r.get("adapt_time_vs_full") is not None]
         gains = [r["accuracy"] - r["accuracy_source_only"] for r in mine]
+        lrs = [r["lr"] for r in mine if r.get("lr") is not None]
         out[m] = {
             "n_subjects": len(mine),
             "mean_accuracy": statistics.fmean(acc),
@@ -134,13 +125,14 @@ def _summary(rows: list[dict], methods: list[str]) -> dict[str, dict]:
             "mean_gain_over_source_only": statistics.fmean(gains),
             "subjects_improved": sum(g > 0 for g in gains),
             "subjects_hurt": sum(g < 0 for g in gains),
+            "lr_chosen": {f"{lr:g}": lrs.count(lr) for lr in sorted(set(lrs))},
             "trainable_numel": int(statistics.median(r["trainable_numel"] for r in mine)),
             "trained_bytes": int(statistics.median(r["trained_bytes"] for r in mine)),
             "grad_adamw_bytes": int(statistics.median(r["grad_adamw_bytes"] for r in mine)),
-            "median_peak_step_delta_bytes": int(statistics.median(peaks)) if peaks else None,
-            "max_peak_step_delta_bytes": max(peaks) if peaks else None,
-            "median_loaded_rss_bytes": int(statistics.median(bases)) if bases else None,
-            "median_adapt_time_vs_full": statistics.median(ratios) if ratios else None,
+            **{f"median_{k}": _median([r.get(k) for r in mine]) for k in (*PEAKS, "loaded_rss_bytes")},
+            "max_call_peak_bytes": max((r["call_peak_bytes"] for r in mine if r.get("call_peak_bytes") is not None),
+                                       default=None),
+            "median_adapt_time_vs_full": _median([r.get("adapt_time_vs_full") for r in mine]),
         }
     return out
 
@@ -151,45 +143,78 @@ def _fmt_bytes(n: int | None) -> str:
     return f"{n / MB:.2f} MB" if n >= MB else f"{n / 1024:.1f} KB"
 
 
+def _mb(n: float | None) -> str:
+    return "-" if n is None else f"{n / MB:.2f}"
+
+
+def _lr_cell(s: dict) -> str:
+    chosen = s["lr_chosen"]
+    if not chosen:
+        return "-"
+    return ", ".join(f"{lr}" + (f" ({n}x)" if len(chosen) > 1 else "") for lr, n in chosen.items())
+
+
 def _markdown(result: dict) -> str:
     cfg, summ = result["config"], result["summary"]
     full = summ.get("full")
+    sel = result["lr_selection"]
+    if sel["mode"] == "fixed":
+        lr_note = (f"Learning rate fixed in advance at {sel['lr']:g} for every method that trains "
+                   "(not tuned on any subject).")
+    else:
+        lr_note = ("Learning rates chosen per fold on source subjects only, never on the held-out subject: "
+                   f"leave-one-source-subject-out over {sel['validation_subjects']} source subjects of the fold "
+                   f"(seeded), grid {', '.join(f'{g:g}' for g in sel['grid'])}, best mean accuracy; "
+                   "the lr column counts the folds that chose each rate.")
     lines = [
         f"### LOSO {cfg['dataset']} / {cfg['model']}: {len(result['subjects_done'])} subjects, "
         f"k={cfg['k_per_class']} per class, {cfg['epochs']} adaptation epochs",
         "",
         f"Command: `{result['command']}`",
         "",
-        "| method | mean acc | worst acc (subj) | Δ vs source (mean) | improved/hurt | trained el. | "
-        "trained bytes | +grad+AdamW | peak step MB (median) | vs full | adapt time vs full |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        lr_note,
+        "",
+        "| method | mean acc | worst acc (subj) | Δ vs source (mean) | improved/hurt | lr (chosen on source) | "
+        "trained el. | trained bytes | +grad+AdamW | step peak MB total / anon | adapt-call peak MB total / anon "
+        "| call vs full | adapt time vs full |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m, s in summ.items():
-        peak = s["median_peak_step_delta_bytes"]
-        vs_full = (f"{peak / full['median_peak_step_delta_bytes']:.2f}x"
-                   if peak is not None and full and full["median_peak_step_delta_bytes"] else "-")
+        call = s["median_call_peak_bytes"]
+        vs_full = (f"{call / full['median_call_peak_bytes']:.2f}x"
+                   if call is not None and full and full["median_call_peak_bytes"] else "-")
         t = s["median_adapt_time_vs_full"]
         lines.append(
             f"| {m}{' (label-free)' if m in LABEL_FREE else ''} | {s['mean_accuracy']:.3f} | "
             f"{s['worst_accuracy']:.3f} ({s['worst_subject']}) | "
             f"{s['mean_gain_over_source_only']:+.3f} | "
             f"{'-' if m == 'source-only' else str(s['subjects_improved']) + '/' + str(s['subjects_hurt'])} | "
+            f"{_lr_cell(s)} | "
             f"{s['trainable_numel']:,} | {_fmt_bytes(s['trained_bytes'])} | {_fmt_bytes(s['grad_adamw_bytes'])} | "
-            f"{'-' if peak is None else f'{peak / MB:.2f}'} | {vs_full} | {'-' if t is None else f'{t:.2f}'} |"
+            f"{_mb(s['median_step_peak_bytes'])} / {_mb(s['median_step_peak_anon_bytes'])} | "
+            f"{_mb(call)} / {_mb(s['median_call_peak_anon_bytes'])} | {vs_full} | "
+            f"{'-' if t is None else f'{t:.2f}'} |"
         )
     base = [s["median_loaded_rss_bytes"] for s in summ.values() if s["median_loaded_rss_bytes"]]
+    host = result["host"]
     lines += [
         "",
         f"Accuracy on each held-out subject's evaluation windows (disjoint from its "
         f"{cfg['k_per_class']}-per-class adaptation windows); source-only = the fold's pretrained model. "
         f"Pretrained source models reach {result['source_val_accuracy_mean']:.3f} on held-out windows of "
         "their own source subjects (mean over folds). Trained bytes = trained elements x 4 (float32); "
-        "gradients + AdamW moments add 3x that. Peak step memory: VmHWM delta over the adaptation "
-        "process with the model loaded (torch-free runner, CPU), median over subjects; loaded baseline "
-        f"median {statistics.median(base) / MB:.0f} MB." if base else "",
+        "gradients + AdamW moments add 3x that.",
+        "Memory over the adaptation process with the model loaded (torch-free runner, CPU), median over "
+        "subjects: *step peak* = the largest high-water mark of a single training step; *adapt-call peak* = "
+        "the high-water mark of the whole adapt call (it also holds the per-epoch rollback checkpoint); "
+        "*total* = resident memory (VmHWM), *anon* = anonymous memory only (sampled RssAnon, no library code"
+        + (f" or file pages); loaded baseline median {statistics.median(base) / MB:.0f} MB." if base else ")."),
         "bn-stats runs its bundle (last layer trainable) at learning rate 0: it trains no parameter, only "
-        "BatchNorm running statistics change, yet its peak includes that bundle's backward pass."
+        "BatchNorm running statistics change, yet its peaks include that bundle's backward pass."
         if "bn-stats" in summ else "",
+        f"Threads: {cfg['threads']} for pretraining and adaptation, deterministic torch algorithms; "
+        f"{host['cpu']['model']} ({host.get('torch_cpu_capability', '?')} torch kernels), torch "
+        f"{host['versions'].get('torch', '-')}, onnxruntime {host['versions'].get('onnxruntime', '-')}. "
         f"Total time {result['total_time_s'] / 60:.1f} min.",
     ]
     return "\n".join(lines) + "\n"
@@ -218,23 +243,35 @@ def _plot(result: dict, path: Path) -> None:
     ax1.set_xticks(list(x), names, rotation=30, ha="right")
     ax1.set_ylim(0, 1.05)
     ax1.set_ylabel("target accuracy")
-    ax1.set_title(f"LOSO accuracy, {len(result['subjects_done'])} subjects")
+    ax1.set_title(f"LOSO accuracy, {len(result['subjects_done'])} subjects (lr chosen on source subjects)")
     ax1.legend(loc="lower right", fontsize=8)
 
-    adapted = [m for m in names if summ[m]["median_peak_step_delta_bytes"] is not None]
-    mb = [summ[m]["median_peak_step_delta_bytes"] / MB for m in adapted]
-    ax2.bar(range(len(adapted)), mb, color=[colors[names.index(m)] for m in adapted])
+    adapted = [m for m in names if summ[m]["median_call_peak_bytes"] is not None]
+    step = [(summ[m]["median_step_peak_bytes"] or 0) / MB for m in adapted]
+    call = [summ[m]["median_call_peak_bytes"] / MB for m in adapted]
+    xs = range(len(adapted))
+    ax2.bar([i - 0.2 for i in xs], step, width=0.4, color=[colors[names.index(m)] for m in adapted],
+            label="one training step")
+    ax2.bar([i + 0.2 for i in xs], call, width=0.4, color="#cfd8dc", edgecolor="#607d8b", label="whole adapt call")
     for i, m in enumerate(adapted):
-        ax2.text(i, mb[i], f"{mb[i]:.2f}\n{summ[m]['trainable_numel']:,} el.", ha="center", va="bottom", fontsize=7)
-    ax2.set_xticks(range(len(adapted)), adapted, rotation=30, ha="right")
-    ax2.set_ylim(0, max(mb + [0.1]) * 1.3)
-    ax2.set_ylabel("peak step memory, MB over loaded model")
+        ax2.text(i, max(step[i], call[i]), f"{summ[m]['trainable_numel']:,} el.", ha="center", va="bottom", fontsize=7)
+    ax2.set_xticks(list(xs), adapted, rotation=30, ha="right")
+    ax2.set_ylim(0, max(step + call + [0.1]) * 1.3)
+    ax2.set_ylabel("peak resident memory (VmHWM), MB over loaded model")
     ax2.set_title("Adaptation memory (median over subjects)")
+    ax2.legend(loc="upper left", fontsize=8)
     cfg = result["config"]
     fig.suptitle(f"{cfg['dataset']} / {cfg['model']}, k={cfg['k_per_class']}, {cfg['epochs']} epochs", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,16 +282,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k-per-class", type=int, default=5, help="labelled target windows per class to adapt on")
     p.add_argument("--epochs", type=int, default=40, help="adaptation epochs")
     p.add_argument("--pretrain-epochs", type=int, default=15)
-    p.add_argument("--lr", type=float, default=3e-3, help="adaptation learning rate (times each method's lr_scale)")
+    p.add_argument("--lr-grid", type=_positive, nargs="+", default=list(LR_GRID),
+                   help="learning rates tried per method on the source subjects (default: %(default)s)")
+    p.add_argument("--validation-subjects", type=int, default=2,
+                   help="source subjects that play the new subject in turn when choosing learning rates")
+    p.add_argument("--fixed-lr", type=_positive, nargs="?", const=FIXED_LR, default=None,
+                   help=f"skip the selection: one learning rate for every method (default value {FIXED_LR:g})")
     p.add_argument("--subjects", type=int, nargs="+", help="target subjects to hold out (default: all)")
     p.add_argument("--methods", nargs="+", choices=ALL_METHODS[1:], default=list(ALL_METHODS[1:]),
                    help="adapted methods to run (source-only always)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="runner threads (default: runner's choice)")
+    p.add_argument("--threads", type=int, default=1, help="threads for pretraining and adaptation (default 1)")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     p.add_argument("--tag", default="", help="suffix of the output file names")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
+    if args.validation_subjects < 1 or args.threads < 1:
+        p.error("--validation-subjects and --threads must be >= 1")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
 
@@ -267,51 +311,75 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             p.error(f"subjects {unknown} are not in the dataset (subjects: {subjects})")
         subjects = [s for s in subjects if s in set(args.subjects)]
-    methods = [m for m in ADAPTED if m in args.methods]
+    methods = [m for m in METHODS if m in args.methods]
     dataset_tag = Path(args.dataset).stem if args.dataset not in ("synthetic", "watch") else args.dataset
     stem = f"loso_{dataset_tag}_{args.model}{args.tag}"
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"{command}\ndata: {args.dataset}, {len(ds.subjects)} subjects, {ds.n_classes} classes, windows "
           f"{ds.X.shape[1]} ch x {ds.X.shape[2]} steps; holding out {subjects}; methods {methods}", flush=True)
 
+    import torch  # noqa: F401  (so that host_info reports torch's kernel level)
+
     result: dict = {
         "command": command,
         "code": _code_version(),
+        "host": host_info(),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "dataset_shape": {"windows": int(ds.X.shape[0]), "channels": int(ds.X.shape[1]),
                           "time_steps": int(ds.X.shape[2]), "classes": int(ds.n_classes),
                           "subjects": [int(s) for s in ds.subjects]},
-        "policies": {m: (_policy_for(m, args.model) or None) for m in methods},
+        "policies": {m: METHODS[m].policy_for(args.model) for m in methods},
+        "lr_selection": ({"mode": "fixed", "lr": args.fixed_lr} if args.fixed_lr is not None else
+                         {"mode": "leave-one-source-subject-out", "grid": list(args.lr_grid),
+                          "validation_subjects": args.validation_subjects}),
         "folds": [], "rows": [], "subjects_done": [],
     }
     for i, target in enumerate(subjects):
         t_fold = time.perf_counter()
-        split = make_split(ds, target, args.k_per_class, args.seed)
-        t0 = time.perf_counter()
-        model = pretrain_source(args.model, split, epochs=args.pretrain_epochs, seed=args.seed)
-        pretrain_s = time.perf_counter() - t0
-        val_acc = per_subject_accuracy(model, split.source_val)
-        total_numel = sum(int(q.numel()) for q in model.parameters())
-        fold = {"subject": target, "pretrain_time_s": pretrain_s, "total_numel": total_numel,
-                "n_adapt_windows": int(len(split.target_adapt.y)), "n_eval_windows": int(len(split.target_eval.y)),
-                "source_val_accuracy": {str(k): v for k, v in val_acc.items()},
-                "source_val_accuracy_mean": statistics.fmean(val_acc.values())}
-        reports = {}
         with tempfile.TemporaryDirectory(prefix=f"loso_{target}_") as work:
+            if args.fixed_lr is not None:
+                lrs = {m: args.fixed_lr for m in methods}
+                selection = {}
+            else:
+                t0 = time.perf_counter()
+                selection = select_learning_rates(
+                    ds, target, methods, args.model, workdir=Path(work), validation_subjects=args.validation_subjects,
+                    grid=tuple(args.lr_grid), k_per_class=args.k_per_class, epochs=args.epochs,
+                    pretrain_epochs=args.pretrain_epochs, seed=args.seed, threads=args.threads)
+                lrs = {m: (selection[m].lr if m in selection else 0.0) for m in methods}
+                print(f"  [{i + 1}/{len(subjects)}] subject {target}: learning rates chosen on source subjects "
+                      f"{next(iter(selection.values())).validation_subjects if selection else '-'} in "
+                      f"{time.perf_counter() - t0:.0f} s: " + ", ".join(f"{m} {lr:g}" for m, lr in lrs.items()),
+                      flush=True)
+            split = make_split(ds, target, args.k_per_class, args.seed)
+            t0 = time.perf_counter()
+            model = pretrain_source(args.model, split, epochs=args.pretrain_epochs, seed=args.seed,
+                                    threads=args.threads)
+            pretrain_s = time.perf_counter() - t0
+            val_acc = per_subject_accuracy(model, split.source_val)
+            total_numel = sum(int(q.numel()) for q in model.parameters())
+            fold = {"subject": target, "pretrain_time_s": pretrain_s, "total_numel": total_numel,
+                    "n_adapt_windows": int(len(split.target_adapt.y)), "n_eval_windows": int(len(split.target_eval.y)),
+                    "source_val_accuracy": {str(k): v for k, v in val_acc.items()},
+                    "source_val_accuracy_mean": statistics.fmean(val_acc.values()),
+                    "lr_selection": {m: {"lr": v.lr, "grid": list(v.grid), "mean_accuracy": list(v.mean_accuracy),
+                                         "validation_subjects": list(v.validation_subjects)}
+                                     for m, v in selection.items()}}
+            reports = {}
             target_data = save_target_data(split, Path(work))
             for m in methods:
-                study_method, _ = ADAPTED[m]
-                r = run_method(study_method, model, args.model, split, target_data, Path(work) / m, epochs=args.epochs,
-                               lr=args.lr, seed=args.seed, threads=args.threads, policy=_policy_for(m, args.model))
+                r = run_method(m, model, args.model, split, target_data, Path(work) / m, epochs=args.epochs,
+                               lr=lrs[m], seed=args.seed, threads=args.threads)
                 if r["torch_imported"]:
                     raise RuntimeError("internal: the adaptation process imported torch")
                 manifest = json.loads((Path(work) / m / "bundle" / "manifest.json").read_text())
                 r["session"] = manifest.get("session")  # ORT session settings the exporter chose
                 reports[m] = r
-                print(f"  [{i + 1}/{len(subjects)}] subject {target} {m:<10} acc "
+                print(f"  [{i + 1}/{len(subjects)}] subject {target} {m:<10} lr {r['lr']:<6g} acc "
                       f"{'  -  ' if r['accuracy_before'] is None else format(r['accuracy_before'], '.3f')} -> "
-                      f"{r['accuracy_after']:.3f}  {r['trainable_numel']:>7,} el.  peak "
-                      f"{r['peak_step_delta_bytes'] / MB:6.2f} MB  {r['adapt_time_s']:.1f} s", flush=True)
+                      f"{r['accuracy_after']:.3f}  {r['trainable_numel']:>7,} el.  step/call peak "
+                      f"{_mb(r['step_peak_bytes'])}/{_mb(r['call_peak_bytes'])} MB  "
+                      f"{r['adapt_time_s']:.1f} s", flush=True)
         befores = {round(r["accuracy_before"], 6) for r in reports.values() if r["accuracy_before"] is not None}
         if len(befores) > 1:
             log.warning("subject %s: accuracy_before differs between bundles: %s", target, sorted(befores))
@@ -326,19 +394,20 @@ def main(argv: list[str] | None = None) -> int:
         fold["source_only_accuracy"] = source_only
         result["rows"].append({"subject": target, "method": "source-only", "accuracy": source_only,
                                "accuracy_source_only": source_only, "trainable_numel": 0, "trained_bytes": 0,
-                               "grad_adamw_bytes": 0, "peak_step_delta_bytes": None, "loaded_rss_bytes": None,
-                               "adapt_time_s": None, "adapt_time_vs_full": None})
+                               "grad_adamw_bytes": 0, "lr": None, **{k: None for k in PEAKS},
+                               "loaded_rss_bytes": None, "adapt_time_s": None, "adapt_time_vs_full": None})
         full_t = reports["full"]["adapt_time_s"] if "full" in reports else None
         for m, r in reports.items():
             # A method at learning rate 0 (bn-stats) trains no parameter, whatever its bundle could train.
-            trained = 0 if method_recipe(ADAPTED[m][0], args.model)["lr_scale"] == 0 else r["trainable_numel"]
+            trained = r["trainable_numel"] if METHODS[m].trains else 0
             result["rows"].append({
                 "subject": target, "method": m, "accuracy": r["accuracy_after"], "accuracy_source_only": source_only,
+                "lr": r["lr"] if METHODS[m].trains else None,
                 "trainable_numel": trained, "bundle_trainable_numel": r["trainable_numel"],
                 "trained_bytes": trained * FLOAT32_BYTES, "grad_adamw_bytes": 3 * trained * FLOAT32_BYTES,
-                "peak_step_delta_bytes": r["peak_step_delta_bytes"], "peak_reset_ok": r["peak_reset_ok"],
-                "loaded_rss_bytes": r["loaded_rss_bytes"], "adapt_time_s": r["adapt_time_s"],
-                "adapt_time_vs_full": r["adapt_time_s"] / full_t if full_t else None,
+                **{k: r[k] for k in PEAKS},
+                "loaded_rss_bytes": r["loaded_rss_bytes"], "load_rss_bytes": r["load_rss_bytes"],
+                "adapt_time_s": r["adapt_time_s"], "adapt_time_vs_full": r["adapt_time_s"] / full_t if full_t else None,
                 "policy": r["policy"], "loss": r["loss"], "batchnorm": r["batchnorm"], "steps": r["steps"],
                 "epoch_losses": r["epoch_losses"], "accuracy_before": r["accuracy_before"], "session": r["session"],
             })

@@ -10,7 +10,6 @@ import re
 import sys
 import tempfile
 from dataclasses import replace
-from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +20,7 @@ from torch import nn
 
 from ..atomic import staged_directory
 from ..bundle import Manifest, TensorSpec, sha256_file, write_manifest
+from ..versions import package_versions
 from ..onnx_guard import stamp_contract
 from .graph import MAX_IR_VERSION, UnsupportedOpError, module_of_node, to_onnx
 from .objectives import LOSSES, OptimizerConfig, loss_block, optimizer_block, use_torch_adamw
@@ -35,17 +35,6 @@ log = logging.getLogger(__name__)
 # The prepared (rewritten) model must reproduce the original's eval output to this tolerance.
 REWRITE_TOLERANCE = 1e-4
 INPUT_NAME, OUTPUT_NAME = "input", "output"
-
-
-def _versions() -> dict[str, str]:
-    out = {}
-    for pkg in ("edgeadapt", "torch", "onnx", "numpy"):
-        try:
-            out[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            pass
-    out["onnxruntime"] = onnxruntime.__version__
-    return out
 
 
 def _label_spec(loss: str, output_shape: tuple[int, ...]) -> dict | None:
@@ -116,7 +105,7 @@ def _draft_manifest(stage: Path, entries, loss: str, opt: OptimizerConfig, batch
         input=TensorSpec(INPUT_NAME, (None, *example_input.shape[1:]), "float32"),
         output=TensorSpec(OUTPUT_NAME, (None, *output.shape[1:]), "float32"),
         label=label, loss=loss, optimizer=opt.to_dict(), batchnorm=batchnorm,
-        policy=policy.to_dict(), parameters=entries, versions=_versions(),
+        policy=policy.to_dict(), parameters=entries, versions=package_versions(("edgeadapt", "torch", "onnx", "numpy", "onnxruntime")),
         state={"epoch": 0, "step": 0},
     )
 

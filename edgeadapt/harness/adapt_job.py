@@ -2,7 +2,8 @@
 
 ``python -m edgeadapt.harness.adapt_job SPEC.json REPORT.json`` forbids ``import torch`` before anything
 else is imported, then loads the bundle with the runner, evaluates, adapts, evaluates again,
-saves the adapted bundle and reports accuracy, peak memory and time. The quickstart and the
+saves the adapted bundle and reports accuracy, memory (the peak of one step and of the whole
+``adapt`` call, each total and anonymous-only) and time. The quickstart and the
 benchmarks run every on-device step this way, so their figures come from a process that
 demonstrably holds no torch.
 """
@@ -51,22 +52,34 @@ class AdaptJobSpec:
 
 
 def run_job(spec: AdaptJobSpec) -> dict[str, Any]:
-    """Run the job in this process and return the report (see module docstring)."""
+    """Run the job in this process and return the report (see module docstring).
+
+    Memory figures (bytes; see docs/design.md, "Measuring") are the runner's own
+    (:class:`~edgeadapt.runtime.AdaptResult`): the baseline is this process with the runner
+    loaded and evaluated once, just before ``adapt``; ``step_peak_bytes`` is the largest
+    resident high-water mark (VmHWM) of any single optimizer step over it, ``call_peak_bytes``
+    that of the whole ``adapt`` call (training session, rollback copies included);
+    ``*_anon_bytes`` the same for anonymous memory only (sampled RssAnon, no file pages).
+    ``load_rss_bytes``/``load_anon_bytes``: what loading the bundle allocated, before the
+    baseline (imports excluded).
+    """
     from ..datasets import WindowDataset
-    from ..memory import measure_peak, rss_bytes
+    from ..memory import status_fields
     from ..runtime import Runner
+    from ..versions import host_info
 
     start = time.perf_counter()
-    runner = Runner.load(spec.bundle, device=spec.device, threads=spec.threads)
     adapt = WindowDataset.load_npz(spec.adapt_data)
     held_out = WindowDataset.load_npz(spec.eval_data)
+    imported = status_fields("VmRSS", "RssAnon")
+    runner = Runner.load(spec.bundle, device=spec.device, threads=spec.threads)
+    loaded = status_fields("VmRSS", "RssAnon")
     labeled = runner.manifest.label is not None
     before = runner.evaluate(held_out.X, held_out.y) if labeled else None
-    loaded_rss = rss_bytes()
-    with measure_peak() as peak:
-        result = runner.adapt(adapt.X, adapt.y if labeled else None, epochs=spec.epochs,
-                              batch_size=spec.batch_size, lr=spec.lr, schedule=spec.schedule,
-                              seed=spec.seed, progress=False)
+    base = status_fields("VmRSS", "RssAnon")
+    result = runner.adapt(adapt.X, adapt.y if labeled else None, epochs=spec.epochs,
+                          batch_size=spec.batch_size, lr=spec.lr, schedule=spec.schedule,
+                          seed=spec.seed, progress=False)
     after = runner.evaluate(held_out.X, held_out.y) if labeled else None
     if not labeled:  # label-free bundle: accuracy from the logits
         logits = runner.predict(held_out.X)
@@ -74,6 +87,7 @@ def run_job(spec: AdaptJobSpec) -> dict[str, Any]:
     runner.save(spec.out_dir)
     return {
         "device": runner.device,
+        "threads": spec.threads,
         "torch_imported": any(m == "torch" or m.startswith("torch.") for m in sys.modules),
         "accuracy_after": after.accuracy if labeled else after_acc,
         "accuracy_before": before.accuracy if labeled else None,
@@ -82,12 +96,18 @@ def run_job(spec: AdaptJobSpec) -> dict[str, Any]:
         "steps": result.steps,
         "adapt_time_s": result.time_s,
         "job_time_s": time.perf_counter() - start,
-        "loaded_rss_bytes": loaded_rss,
-        "peak_step_delta_bytes": peak.delta_bytes,
-        "peak_reset_ok": peak.reset_ok,
+        "loaded_rss_bytes": base["VmRSS"],
+        "loaded_anon_bytes": base["RssAnon"],
+        "load_rss_bytes": loaded["VmRSS"] - imported["VmRSS"],
+        "load_anon_bytes": loaded["RssAnon"] - imported["RssAnon"],
+        "step_peak_bytes": result.step_peak_bytes,
+        "call_peak_bytes": result.call_peak_bytes,
+        "step_peak_anon_bytes": result.step_peak_anon_bytes,
+        "call_peak_anon_bytes": result.call_peak_anon_bytes,
         "trainable_numel": runner.manifest.trainable_numel,
         "n_adapt_windows": int(len(adapt.y)),
         "n_eval_windows": int(len(held_out.y)),
+        "host": host_info(),
     }
 
 

@@ -2,8 +2,17 @@
 
 Generate (or load) data, pretrain on the source subjects, export a sparse-update bundle, adapt
 it to a held-out subject in a separate torch-free process, and report accuracy before/after,
-what was trained, the peak memory of the adaptation step and the time, next to last-layer,
-biases + norm affine and full fine-tuning. Writes ``report.json``, ``accuracy.png``, ``memory.png``.
+what was trained, memory (the peak of one training step and of the whole adapt call, each as
+total resident and anonymous-only memory over the loaded model) and the time, next to
+last-layer, biases + norm affine and full fine-tuning. Writes ``report.json``, ``accuracy.png``,
+``memory.png``.
+
+Every setting is fixed in advance, none is tuned on the new subject: AdamW at
+``study.FIXED_LR`` (3e-3) for every method, 40 adaptation epochs (3 with ``small``), batch 16,
+15 pretraining epochs (2 with ``small``), seed 0. Threads are pinned (``threads``, default 1,
+for pretraining and adaptation) with deterministic torch algorithms, so that a rerun on the same
+machine gives the same figures; the report records them with the CPU model, its kernel ISA flags
+and the library versions, on which the figures also depend.
 """
 
 from __future__ import annotations
@@ -17,13 +26,16 @@ from pathlib import Path
 
 from ..atomic import atomic_write_json
 from ..datasets import SyntheticConfig, WindowDataset, load_dataset, make_synthetic
-from .study import make_split, per_subject_accuracy, pretrain_source, run_method, save_target_data
+from ..versions import host_info
+from .study import FIXED_LR, METHODS, make_split, per_subject_accuracy, pretrain_source, run_method, save_target_data
 
 __all__ = ["QuickstartConfig", "run_quickstart"]
 
 log = logging.getLogger(__name__)
 
 COMPARED = ("last-layer", "bias-norm", "full")
+MAIN = "sparse"
+MB = 2**20
 
 
 @dataclass(frozen=True)
@@ -41,6 +53,8 @@ class QuickstartConfig:
         seed: seeds data, pretraining and splits.
         small: a tiny setting for smoke tests (seconds, not minutes).
         target_subject: the held-out subject (default: the last one).
+        threads: intra-op threads of pretraining (torch) and adaptation (ONNX Runtime), pinned
+            so that the figures do not depend on the machine's core count.
     """
 
     dataset: str = "synthetic"
@@ -52,6 +66,12 @@ class QuickstartConfig:
     seed: int = 0
     small: bool = False
     target_subject: int | None = None
+    threads: int = 1
+
+
+def _mb(n: int | None) -> str:
+    """Bytes as MB (2**20) with one decimal; "-" where the runner measured nothing (no step ran)."""
+    return "-" if n is None else f"{n / MB:.1f}"
 
 
 def _load(cfg: QuickstartConfig) -> WindowDataset:
@@ -85,13 +105,19 @@ def _plots(report: dict, out_dir: Path) -> None:
 
     rows = [report["main"], *report["compared"]]
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    mb = [r["peak_step_delta_bytes"] / 2**20 for r in rows]
-    ax.bar([r["method"] for r in rows], mb, color=["#c2185b"] + ["#607d8b"] * (len(rows) - 1))
+    x = list(range(len(rows)))
+    step = [(r["step_peak_bytes"] or 0) / MB for r in rows]
+    call = [(r["call_peak_bytes"] or 0) / MB for r in rows]
+    ax.bar([i - 0.2 for i in x], step, width=0.4, color="#c2185b", label="one training step")
+    ax.bar([i + 0.2 for i in x], call, width=0.4, color="#607d8b", label="whole adapt call")
     for i, r in enumerate(rows):
-        ax.text(i, mb[i], f"acc {r['accuracy_after']:.2f}\n{r['trainable_numel']:,} el.", ha="center", va="bottom", fontsize=8)
-    ax.set_ylabel("peak step memory (MB over loaded model)")
-    ax.set_title("Adaptation memory per method (torch-free runner, CPU)")
-    ax.set_ylim(0, max(mb) * 1.35 + 0.1)
+        ax.text(i, max(step[i], call[i]), f"acc {r['accuracy_after']:.2f}\n{r['trainable_numel']:,} el.",
+                ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(x, [r["method"] for r in rows])
+    ax.set_ylabel("peak resident memory, MB over loaded model")
+    ax.set_title("Adaptation memory per method (torch-free runner, CPU; total, VmHWM)")
+    ax.legend(loc="upper left", fontsize=8)
+    ax.set_ylim(0, max(step + call) * 1.35 + 0.1)
     fig.tight_layout()
     fig.savefig(out_dir / "memory.png", dpi=120)
     plt.close(fig)
@@ -117,7 +143,7 @@ def run_quickstart(cfg: QuickstartConfig, echo: Callable[[str], None] = log.info
 
     pre_epochs = 2 if cfg.small else 15
     t0 = time.perf_counter()
-    model = pretrain_source(cfg.model, split, epochs=pre_epochs, seed=cfg.seed)
+    model = pretrain_source(cfg.model, split, epochs=pre_epochs, seed=cfg.seed, threads=cfg.threads)
     pretrain_s = time.perf_counter() - t0
     source_acc = per_subject_accuracy(model, split.source_val)
     from ..export.pretrain import accuracy
@@ -128,26 +154,27 @@ def run_quickstart(cfg: QuickstartConfig, echo: Callable[[str], None] = log.info
          f"{sum(known) / len(known):.3f} on their held-out windows, {source_acc[target]:.3f} on the new subject")
 
     epochs = cfg.epochs or (3 if cfg.small else 40)
-    lr = 3e-3
-    # The chosen policy first, then the comparisons. A named method keeps its own recipe
-    # (learning-rate scale); any other spec runs with the sparse recipe.
-    if cfg.policy in ("sparse", *COMPARED):
+    # The chosen policy first, then the comparisons; any policy spec that is not a method name
+    # runs as the sparse method with that policy. Every method at the same fixed learning rate.
+    if cfg.policy in METHODS:
         runs = [(cfg.policy, None, cfg.policy, "main")]
     else:
-        runs = [("sparse", cfg.policy, cfg.policy, "main")]
+        runs = [(MAIN, cfg.policy, cfg.policy, "main")]
     runs += [(m, None, m, m) for m in COMPARED if m != cfg.policy]
     reports = []
     target_data = save_target_data(split, work)
     for method, policy, label, folder in runs:
-        r = run_method(method, model, cfg.model, split, target_data, work / folder, epochs=epochs, lr=lr,
-                       seed=cfg.seed, policy=policy)
+        r = run_method(method, model, cfg.model, split, target_data, work / folder, epochs=epochs, lr=FIXED_LR,
+                       seed=cfg.seed, threads=cfg.threads, policy=policy)
         r["method"] = label
         if r["torch_imported"]:
             raise RuntimeError("internal: the adaptation process imported torch")
         reports.append(r)
         echo(f"  {r['method']:<11} accuracy {r['accuracy_before']:.3f} -> {r['accuracy_after']:.3f}, "
-             f"trains {r['trainable_numel']:,} elements, peak step memory "
-             f"{r['peak_step_delta_bytes'] / 2**20:.1f} MB, adapted in {r['adapt_time_s']:.1f} s")
+             f"trains {r['trainable_numel']:,} elements; memory over the loaded model: "
+             f"one step {_mb(r['step_peak_bytes'])} MB, whole adapt call {_mb(r['call_peak_bytes'])} MB "
+             f"(anonymous only {_mb(r['step_peak_anon_bytes'])} / {_mb(r['call_peak_anon_bytes'])} MB); "
+             f"adapted in {r['adapt_time_s']:.1f} s")
 
     main = reports[0]
     report = {
@@ -156,6 +183,11 @@ def run_quickstart(cfg: QuickstartConfig, echo: Callable[[str], None] = log.info
         "policy": main["policy"],
         "per_subject_source_only": {str(k): v for k, v in sorted(source_acc.items())},
         "pretrain_time_s": pretrain_s,
+        "settings": {"fixed_in_advance": True, "lr": FIXED_LR, "optimizer": "adamw", "weight_decay": 0.01,
+                     "epochs": epochs, "batch_size": 16, "pretrain_epochs": pre_epochs, "seed": cfg.seed,
+                     "pretrain_threads": cfg.threads, "adapt_threads": cfg.threads,
+                     "deterministic_algorithms": True},
+        "host": host_info(),
         "main": main,
         "compared": reports[1:],
         "total_time_s": time.perf_counter() - start,
@@ -163,8 +195,14 @@ def run_quickstart(cfg: QuickstartConfig, echo: Callable[[str], None] = log.info
     atomic_write_json(out_dir / "report.json", report)
     _plots(report, out_dir)
     echo(f"new subject {target}: accuracy {main['accuracy_before']:.3f} before, {main['accuracy_after']:.3f} after "
-         f"adapting with '{main['policy']}' ({main['trainable_numel']:,} elements, peak step "
-         f"{main['peak_step_delta_bytes'] / 2**20:.1f} MB) in a torch-free process")
+         f"adapting with '{main['policy']}' ({main['trainable_numel']:,} elements; peak over the loaded model "
+         f"{_mb(main['step_peak_bytes'])} MB for one step, {_mb(main['call_peak_bytes'])} MB for the whole "
+         f"adapt call) in a torch-free process")
+    host = report["host"]
+    echo(f"settings fixed in advance: lr {FIXED_LR:g}, {epochs} epochs, seed {cfg.seed}, {cfg.threads} thread(s) "
+         f"for pretraining and adaptation, deterministic torch algorithms; {host['cpu']['model']} "
+         f"({host.get('torch_cpu_capability', '?')} torch kernels), torch {host['versions'].get('torch', '-')}, "
+         f"onnxruntime {host['versions'].get('onnxruntime', '-')}")
     echo(f"report: {out_dir / 'report.json'}, plots: {out_dir / 'accuracy.png'}, {out_dir / 'memory.png'} "
          f"({report['total_time_s']:.0f} s in all)")
     return report

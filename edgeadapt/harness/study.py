@@ -6,7 +6,9 @@ pretrain and export; every adaptation itself runs in a torch-free job process).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,16 +18,82 @@ import numpy as np
 from .adapt_job import AdaptJobSpec, run_job_in_subprocess
 from ..datasets import ChannelNormalizer, WindowDataset, few_shot_split
 
-__all__ = ["METHODS", "LABEL_FREE", "SplitData", "make_split", "sparse_policy", "method_recipe",
-           "pretrain_source", "per_subject_accuracy", "save_target_data", "run_method"]
+__all__ = ["Method", "METHODS", "ALL_METHODS", "LABEL_FREE", "FIXED_LR", "LR_GRID", "PRETRAIN_THREADS",
+           "SplitData", "make_split", "sparse_policy", "method_recipe", "pinned_torch", "pretrain_source",
+           "per_subject_accuracy", "save_target_data", "export_method", "run_method", "LrSelection",
+           "select_learning_rates"]
 
 log = logging.getLogger(__name__)
 
-# Methods compared side by side. "source-only" adapts nothing.
-METHODS = ("source-only", "last-layer", "bias-norm", "bn-stats", "entropy", "sparse", "full")
-LABEL_FREE = ("bn-stats", "entropy")
+# Settings fixed before any evaluation (the quickstart runs with these; the LOSO study selects
+# the learning rate per fold on source subjects instead, see select_learning_rates):
+# AdamW at 3e-3, weight decay 0.01, for every method that trains.
+FIXED_LR = 3e-3
+# The learning rates select_learning_rates tries for every method (it also tries FIXED_LR's
+# neighbours: the grid spans 1e-3 .. 3e-2 in half-decade steps).
+LR_GRID = (1e-3, 3e-3, 1e-2, 3e-2)
+# Intra-op threads of the pretraining loop: pinned, so that the source model (and every figure
+# after it) does not depend on the machine's core count.
+PRETRAIN_THREADS = 1
 
 
+@dataclass(frozen=True)
+class Method:
+    """One adaptation method: what the exported bundle trains and how.
+
+    Attributes:
+        name: the method's name in tables and on the command line.
+        policy: an ``UpdatePolicy.parse`` spec, or ``None`` for the model's default sparse
+            policy (:func:`sparse_policy`).
+        loss: the bundle's loss; ``entropy`` is label-free.
+        batchnorm: ``frozen`` (running statistics) or ``batch`` (batch statistics, running ones
+            updated).
+        trains: ``False``: the method adapts at learning rate 0 (only BatchNorm running
+            statistics move), so no learning rate is selected for it.
+        channel_ratio: replaces the ratio of every ``channels`` rule of the policy.
+        description: one line for tables.
+    """
+
+    name: str
+    policy: str | None
+    loss: str = "cross_entropy"
+    batchnorm: str = "frozen"
+    trains: bool = True
+    channel_ratio: float | None = None
+    description: str = ""
+
+    @property
+    def label_free(self) -> bool:
+        return self.loss == "entropy"
+
+    def policy_for(self, model_name: str) -> str:
+        """The policy spec for a reference model (``UpdatePolicy.parse`` form)."""
+        spec = self.policy if self.policy is not None else sparse_policy(model_name)
+        if self.channel_ratio is None:
+            return spec
+        return ",".join(f"{item.split('=')[0]}=channels:{self.channel_ratio:g}" if "=channels:" in item else item
+                        for item in spec.split(","))
+
+
+def _registry(*methods: Method) -> dict[str, Method]:
+    return {m.name: m for m in methods}
+
+
+# The adapted methods, in table order: the one place that defines them (the quickstart and the
+# LOSO benchmark take their names from here). "source-only" adapts nothing.
+METHODS: dict[str, Method] = _registry(
+    Method("last-layer", "last-layer", description="the classifier head"),
+    Method("bias-norm", "bias-norm", description="every bias + norm affine"),
+    Method("bn-stats", "last-layer", loss="entropy", batchnorm="batch", trains=False,
+           description="BatchNorm statistics re-estimated on the target, label-free"),
+    Method("entropy", "bias-norm", loss="entropy", batchnorm="batch",
+           description="entropy minimisation (Tent): biases + norm affine, batch statistics, label-free"),
+    Method("sparse", None, description="head + 25% of the last block's output channels + its norm"),
+    Method("sparse-12", None, channel_ratio=0.125, description="as sparse, 12.5% of the channels"),
+    Method("full", "full", description="every parameter"),
+)
+ALL_METHODS = ("source-only", *METHODS)
+LABEL_FREE = tuple(name for name, m in METHODS.items() if m.label_free)
 @dataclass(frozen=True)
 class SplitData:
     """One target subject's experiment data, normalised with statistics of the source subjects.
@@ -95,31 +163,43 @@ def sparse_policy(model_name: str) -> str:
 
 
 def method_recipe(method: str, model_name: str) -> dict[str, Any]:
-    """Export arguments (policy spec, loss, batchnorm) and the adaptation learning-rate factor.
+    """Export arguments of a method for a reference model: ``policy`` (spec), ``loss``, ``batchnorm``,
+    and ``trains`` (``False``: adapted at learning rate 0)."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {tuple(METHODS)}, got {method!r}")
+    m = METHODS[method]
+    return dict(policy=m.policy_for(model_name), loss=m.loss, batchnorm=m.batchnorm, trains=m.trains)
 
-    bn-stats re-estimates BatchNorm statistics on the target's windows, label-free: a bundle
-    that normalises with batch statistics (updating the running ones), run at learning rate 0.
-    entropy minimises prediction entropy (Tent): norm affine + biases, batch statistics.
+
+@contextlib.contextmanager
+def pinned_torch(threads: int = PRETRAIN_THREADS) -> Iterator[dict[str, Any]]:
+    """Pin torch's intra-op threads and ask for deterministic algorithms inside the block.
+
+    Yields the settings (threads, deterministic flag, torch's CPU kernel level) for a report;
+    the previous settings are restored afterwards. Deterministic algorithms are requested with
+    ``warn_only=True``: an op without a deterministic CPU kernel warns instead of failing.
     """
-    recipes = {
-        "last-layer": dict(policy="last-layer", loss="cross_entropy", batchnorm="frozen", lr_scale=1.0),
-        # 582 elements: a 10x learning rate is best (LOSO sweep: synthetic 0.79 -> 0.85, watch 0.91 -> 0.94)
-        "bias-norm": dict(policy="bias-norm", loss="cross_entropy", batchnorm="frozen", lr_scale=10.0),
-        "bn-stats": dict(policy="last-layer", loss="entropy", batchnorm="batch", lr_scale=0.0),
-        "entropy": dict(policy="bias-norm", loss="entropy", batchnorm="batch", lr_scale=0.1),
-        "sparse": dict(policy=sparse_policy(model_name), loss="cross_entropy", batchnorm="frozen", lr_scale=1.0),
-        "full": dict(policy="full", loss="cross_entropy", batchnorm="frozen", lr_scale=0.3),
-    }
-    if method not in recipes:
-        raise ValueError(f"method must be one of {METHODS[1:]}, got {method!r}")
-    return recipes[method]
+    import torch
+
+    old_threads, old_det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    old_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield {"threads": threads, "deterministic_algorithms": True,
+               "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    finally:
+        torch.set_num_threads(old_threads)
+        torch.use_deterministic_algorithms(old_det, warn_only=old_warn)
 
 
 def pretrain_source(model_name: str, split: SplitData, *, epochs: int, seed: int, lr: float = 3e-3,
-                    batch_size: int = 64, progress: bool = False):
+                    batch_size: int = 64, threads: int = PRETRAIN_THREADS, progress: bool = False):
     """Build a reference model and pretrain it on the source subjects (plain torch loop).
 
-    Deterministic in ``seed``: the initialisation is seeded as well as the training loop.
+    Deterministic in ``seed`` on one machine: the initialisation is seeded as well as the
+    training loop, and the loop runs on ``threads`` intra-op threads with deterministic
+    algorithms (:func:`pinned_torch`); other thread counts or CPU kernels give other weights.
     """
     import torch
 
@@ -127,10 +207,11 @@ def pretrain_source(model_name: str, split: SplitData, *, epochs: int, seed: int
     from ..export.pretrain import pretrain
 
     tr = split.source_train
-    torch.manual_seed(seed)
-    model = build_model(model_name, tr.X.shape[1], tr.n_classes, tr.X.shape[2])
-    pretrain(model, tr.X, tr.y, epochs=epochs, batch_size=batch_size, lr=lr, weight_decay=1e-2,
-             seed=seed, progress=progress)
+    with pinned_torch(threads):
+        torch.manual_seed(seed)
+        model = build_model(model_name, tr.X.shape[1], tr.n_classes, tr.X.shape[2])
+        pretrain(model, tr.X, tr.y, epochs=epochs, batch_size=batch_size, lr=lr, weight_decay=1e-2,
+                 seed=seed, progress=progress)
     return model.eval()
 
 
@@ -148,14 +229,12 @@ def save_target_data(split: SplitData, directory: Path) -> tuple[Path, Path]:
             split.target_eval.save_npz(directory / "target_eval.npz"))
 
 
-def run_method(method: str, model, model_name: str, split: SplitData, target_data: tuple[Path, Path],
-               workdir: Path, *, epochs: int, lr: float, batch_size: int = 16, seed: int = 0,
-               threads: int | None = None, policy: str | None = None) -> dict:
-    """Export ``model`` for ``method`` and adapt it to the target in a torch-free process.
+def export_method(method: str, model, model_name: str, example_X: np.ndarray, bundle: Path, *,
+                  lr: float = FIXED_LR, policy: str | None = None) -> dict[str, Any]:
+    """Export ``model`` as ``method``'s bundle at ``bundle``; returns the recipe used.
 
-    ``target_data`` are the files :func:`save_target_data` wrote for ``split``. ``policy`` (an
-    ``UpdatePolicy.parse`` spec) replaces the method's own policy.
-    Returns the job report (accuracy before/after, peak step memory, trainable elements, times).
+    ``policy`` (an ``UpdatePolicy.parse`` spec) replaces the method's own policy; ``lr`` is the
+    bundle's default learning rate (the jobs pass their own).
     """
     import torch
 
@@ -164,17 +243,102 @@ def run_method(method: str, model, model_name: str, split: SplitData, target_dat
     recipe = method_recipe(method, model_name)
     if policy is not None:
         recipe["policy"] = policy
+    export_bundle(model, torch.from_numpy(example_X[:2]), bundle, policy=UpdatePolicy.parse(recipe["policy"]),
+                  loss=recipe["loss"], optimizer=OptimizerConfig("adamw", lr=lr, weight_decay=0.01),
+                  batchnorm=recipe["batchnorm"])
+    return recipe
+
+
+def run_method(method: str, model, model_name: str, split: SplitData, target_data: tuple[Path, Path],
+               workdir: Path, *, epochs: int, lr: float, batch_size: int = 16, seed: int = 0,
+               threads: int | None = None, policy: str | None = None) -> dict:
+    """Export ``model`` for ``method`` and adapt it to the target in a torch-free process.
+
+    ``target_data`` are the files :func:`save_target_data` wrote for ``split``. ``lr`` is the
+    adaptation learning rate (a method that does not train runs at 0). ``policy`` (an
+    ``UpdatePolicy.parse`` spec) replaces the method's own policy. ``threads``: the runner's
+    intra-op threads. Returns the job report (accuracy before/after, step and call peaks,
+    trainable elements, times) with the method, policy, loss, batchnorm and lr added.
+    """
     workdir.mkdir(parents=True, exist_ok=True)
     bundle = workdir / "bundle"
-    example = torch.from_numpy(split.target_adapt.X[:2])
-    export_bundle(model, example, bundle, policy=UpdatePolicy.parse(recipe["policy"]), loss=recipe["loss"],
-                  optimizer=OptimizerConfig("adamw", lr=lr, weight_decay=0.01), batchnorm=recipe["batchnorm"])
+    # The bundle's default rate must be > 0; a method at rate 0 gets it from the job spec.
+    recipe = export_method(method, model, model_name, split.target_adapt.X, bundle, lr=lr if lr > 0 else FIXED_LR,
+                           policy=policy)
+    job_lr = lr if recipe["trains"] else 0.0
     spec = AdaptJobSpec(bundle=str(bundle), adapt_data=str(target_data[0]),
                         eval_data=str(target_data[1]), out_dir=str(workdir / "adapted"),
-                        epochs=epochs, batch_size=batch_size, lr=lr * recipe["lr_scale"], seed=seed,
-                        device="cpu", threads=threads)
+                        epochs=epochs, batch_size=batch_size, lr=job_lr, seed=seed, device="cpu", threads=threads)
     report = run_job_in_subprocess(spec, workdir)
-    report.update(method=method, policy=recipe["policy"], loss=recipe["loss"], batchnorm=recipe["batchnorm"])
-    log.info("%s: accuracy %.3f, peak step %.1f MB", method, report["accuracy_after"],
-             report["peak_step_delta_bytes"] / 2**20)
+    report.update(method=method, policy=recipe["policy"], loss=recipe["loss"], batchnorm=recipe["batchnorm"],
+                  lr=job_lr)
+    log.info("%s: accuracy %.3f, step peak %s bytes, adapt-call peak %s bytes", method, report["accuracy_after"],
+             report["step_peak_bytes"], report["call_peak_bytes"])
     return report
+
+
+@dataclass(frozen=True)
+class LrSelection:
+    """The learning rate chosen for one method on source subjects only.
+
+    Attributes:
+        method: the method's name.
+        lr: the chosen learning rate (the best mean accuracy over the validation subjects; ties
+            go to the smaller rate).
+        grid: the rates tried.
+        mean_accuracy: per rate, the mean accuracy over the validation subjects.
+        validation_subjects: the source subjects that played the target in turn.
+    """
+
+    method: str
+    lr: float
+    grid: tuple[float, ...]
+    mean_accuracy: tuple[float, ...]
+    validation_subjects: tuple[int, ...]
+
+
+def select_learning_rates(ds: WindowDataset, target_subject: int, methods: list[str], model_name: str, *,
+                          workdir: Path, validation_subjects: int = 2, grid: tuple[float, ...] = LR_GRID,
+                          k_per_class: int, epochs: int, pretrain_epochs: int, batch_size: int = 16,
+                          seed: int = 0, threads: int | None = None) -> dict[str, LrSelection]:
+    """Choose each method's learning rate by leave-one-source-subject-out, never on the target.
+
+    The target subject's windows are dropped first. Then ``validation_subjects`` of the
+    remaining (source) subjects, picked with ``seed``, each play the new subject once: a model
+    is pretrained on the other source subjects, exported per method, and adapted from
+    ``k_per_class`` of the validation subject's windows per class at every rate in ``grid``;
+    accuracy on the validation subject's other windows decides. Adaptation runs in this process
+    (accuracy does not depend on torch being importable; no memory is measured here).
+
+    Returns:
+        ``{method: LrSelection}`` for every method in ``methods`` that trains.
+    """
+    from ..runtime import Runner
+
+    trained = [m for m in methods if METHODS[m].trains]
+    source = ds.subset(ds.subject != target_subject)
+    rng = np.random.default_rng([seed, target_subject])
+    chosen = sorted(int(s) for s in rng.choice(source.subjects, size=min(validation_subjects, len(source.subjects) - 1),
+                                                replace=False))
+    acc: dict[str, list[list[float]]] = {m: [[] for _ in grid] for m in trained}
+    for v in chosen:
+        split = make_split(source, v, k_per_class, seed)
+        model = pretrain_source(model_name, split, epochs=pretrain_epochs, seed=seed)
+        ad, ev = split.target_adapt, split.target_eval
+        for m in trained:
+            bundle = workdir / f"select-{target_subject}-{v}-{m}"
+            export_method(m, model, model_name, ad.X, bundle)
+            labels = None if METHODS[m].label_free else ad.y
+            for i, lr in enumerate(grid):
+                runner = Runner.load(bundle, device="cpu", threads=threads)
+                runner.adapt(ad.X, labels, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, progress=False)
+                logits = runner.predict(ev.X)
+                acc[m][i].append(float((logits.argmax(1) == ev.y).mean()))
+            log.info("fold %s, validation subject %s, %s: %s", target_subject, v, m,
+                     ", ".join(f"{lr:g} -> {a[-1]:.3f}" for lr, a in zip(grid, acc[m])))
+    out = {}
+    for m in trained:
+        means = tuple(float(np.mean(a)) for a in acc[m])
+        best = max(range(len(grid)), key=lambda i: (round(means[i], 9), -grid[i]))
+        out[m] = LrSelection(m, float(grid[best]), tuple(grid), means, tuple(chosen))
+    return out

@@ -1,0 +1,57 @@
+"""The /proc memory probes (total and anonymous peaks) and the version/host facts."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from edgeadapt.memory import AnonPeakSampler, anon_rss_bytes, measure_peak, status_fields
+from edgeadapt.versions import KERNEL_ISA_FLAGS, cpu_info, host_info, package_versions
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+
+MIB = 2**20
+
+
+def test_status_fields_reads_several_fields_at_once():
+    f = status_fields("VmRSS", "VmHWM", "RssAnon")
+    assert 0 < f["RssAnon"] <= f["VmRSS"] <= f["VmHWM"]
+    with pytest.raises(KeyError, match="NoSuchField"):
+        status_fields("VmRSS", "NoSuchField")
+
+
+def test_a_freed_allocation_shows_in_both_peaks_but_not_after():
+    size = 64 * MIB
+    with measure_peak(anon_interval_s=0.001) as m:
+        a = np.ones(size // 8)  # touched: resident and anonymous
+        time.sleep(0.02)  # several sampling periods while it is resident
+        del a
+    assert m.anon_samples >= 3
+    # the 64 MiB block counts once in each figure (slack: the baseline read and the reset are a few
+    # pages apart, and the interpreter allocates a little around the block)
+    assert 0.95 * size <= m.delta_bytes < size + 16 * MIB
+    assert 0.95 * size <= m.anon_delta_bytes < size + 16 * MIB
+    assert anon_rss_bytes() < m.anon_peak_bytes - size // 2  # it was freed: the peak is a high-water mark
+
+
+def test_sampler_restores_the_switch_interval_and_rejects_a_bad_interval():
+    before = sys.getswitchinterval()
+    with AnonPeakSampler(0.0005) as s:
+        assert sys.getswitchinterval() <= 0.0005
+    assert sys.getswitchinterval() == before and s.samples >= 2 and s.peak_bytes >= s.baseline_bytes
+    with pytest.raises(ValueError, match="interval_s"):
+        AnonPeakSampler(0)
+
+
+def test_host_facts_name_versions_cpu_and_kernel_flags():
+    versions = package_versions()
+    assert "numpy" in versions and "onnxruntime" in versions  # the import package, from a training build too
+    cpu = cpu_info()
+    assert cpu["model"] and set(cpu["isa_flags"]) <= set(KERNEL_ISA_FLAGS)
+    info = host_info()
+    assert info["versions"] == versions and info["cpu"] == cpu
+    if "torch" in sys.modules:
+        assert info["torch_cpu_capability"]
