@@ -19,7 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ..bundle import Manifest
+from ..bundle import BundleError, Manifest
 from .device import open_on_device
 from .ort_import import pybind_state as C  # torch-free import of onnxruntime's pybind layer
 
@@ -145,8 +145,15 @@ class OrtTrainingBackend:
         if self._module is not None:
             return
         ort_device = self._ort_device(self.device)
-        module = C.Module(os.fspath(self._train_path), self._state, None, ort_device, self._options)
-        self._optimizer = C.Optimizer(os.fspath(self._optim_path), self._state, ort_device, self._options)
+        try:
+            module = C.Module(os.fspath(self._train_path), self._state, None, ort_device, self._options)
+            self._optimizer = C.Optimizer(os.fspath(self._optim_path), self._state, ort_device, self._options)
+        except Exception as e:  # ORT's pybind types, or a bare RuntimeError from its C++ side
+            if not (type(e).__module__.startswith("onnxruntime") or type(e) is RuntimeError):
+                raise
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[-1][-300:]
+            raise BundleError(f"{self._train_path} (with {self._optim_path.name}): ONNX Runtime could not build the "
+                              f"training session ({reason}); the bundle is damaged - re-export it or restore a copy") from None
         self._module = module
         outputs = module.output_names(True)
         self._train_output_index = outputs.index(self._output_name)

@@ -1,0 +1,232 @@
+"""A bundle is untrusted input: paths stay inside it, models are checked before ONNX Runtime
+sees them, the manifest must agree with the graphs, and every leak is a project error."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+from helpers import make_data
+
+from edgeadapt.bundle import CONTRACT_KEY, BundleError, read_manifest, sha256_file
+from edgeadapt.runtime import InputError, Runner
+
+
+@pytest.fixture
+def bundle(cnn_bundle, tmp_path):
+    dst = tmp_path / "bundle"
+    shutil.copytree(cnn_bundle, dst)
+    return dst
+
+
+def _edit_manifest(bundle, edit) -> None:
+    m = json.loads((bundle / "manifest.json").read_text())
+    edit(m)
+    (bundle / "manifest.json").write_text(json.dumps(m))
+
+
+def _rehash(bundle, name: str) -> None:
+    _edit_manifest(bundle, lambda m: m["sha256"].__setitem__(name, sha256_file(bundle / name)))
+
+
+def _edit_model(bundle, name: str, edit) -> None:
+    model = onnx.load(bundle / name)
+    edit(model)
+    onnx.save(model, bundle / name)
+    _rehash(bundle, name)
+
+
+def _strip_digest(bundle) -> None:
+    """What a bundle exported before graphs carried the settings digest looks like."""
+    for name in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx"):
+        _edit_model(bundle, name, lambda m: m.metadata_props.__delitem__(slice(None)))
+
+
+# ---- item 8: names stay inside the bundle ------------------------------------------------
+@pytest.mark.parametrize("role, name", [
+    ("masks", "../outside.txt"), ("checkpoint", "../x"), ("checkpoint", "/etc/passwd"),
+    ("eval_model", "sub/eval_model.onnx"), ("masks", ".."),
+])
+def test_member_names_outside_the_bundle_are_refused(bundle, role, name):
+    outside = bundle.parent / "outside.txt"
+    outside.write_text("secret")
+    _edit_manifest(bundle, lambda m: (m["files"].__setitem__(role, name),
+                                      m["sha256"].__setitem__(name, sha256_file(outside))))
+    with pytest.raises(BundleError, match=rf"files\.{role}|sha256 key.*not a plain file name"):
+        Runner.load(bundle)
+    with pytest.raises(BundleError, match="not a plain file name inside the bundle"):
+        read_manifest(bundle, verify=False)
+
+
+def test_symlink_leaving_the_bundle_is_refused(bundle):
+    outside = bundle.parent / "masks_elsewhere.npz"
+    shutil.move(bundle / "masks.npz", outside)
+    (bundle / "masks.npz").symlink_to(outside)
+    with pytest.raises(BundleError, match=r"masks\.npz: files\.masks resolves to .* outside the bundle"):
+        Runner.load(bundle)
+
+
+def test_a_manifest_naming_an_outside_path_cannot_be_built_for_saving(bundle):
+    manifest = read_manifest(bundle)
+    with pytest.raises(BundleError, match="not a plain file name"):
+        dataclasses.replace(manifest, files={**manifest.files, "masks": "../outside.txt"})
+
+
+# ---- item 9: external data and op domains ----------------------------------------------------
+def _external(model):
+    t = model.graph.initializer[0]
+    t.data_location = onnx.TensorProto.EXTERNAL
+    t.external_data.add(key="location", value="../../etc/passwd")
+    t.ClearField("raw_data")
+
+
+def test_external_data_outside_the_bundle_is_refused(bundle):
+    _edit_model(bundle, "training_model.onnx", _external)
+    with pytest.raises(BundleError, match=r"training_model\.onnx: initializer .* keeps its data in '\.\./\.\./etc/passwd'"):
+        Runner.load(bundle)
+
+
+def test_custom_op_domain_is_refused(bundle):
+    def add_custom(model):
+        model.graph.node[0].domain = "evil.ops"
+        model.graph.node[0].name = "payload"
+    _edit_model(bundle, "eval_model.onnx", add_custom)
+    with pytest.raises(BundleError, match=r"eval_model\.onnx: node 'payload' uses op evil\.ops::"):
+        Runner.load(bundle)
+
+
+# ---- item 10: the manifest against the graphs, and bounded numbers ----------------------------
+EDITS = {
+    "lr": lambda m: m["optimizer"].__setitem__("lr", 0.01),
+    "n_classes": lambda m: m["label"].__setitem__("n_classes", 5),
+    "output name": lambda m: m["output"].__setitem__("name", "logits"),
+    "weight decay": lambda m: m["optimizer"].__setitem__("weight_decay", 0.5),
+    "input shape": lambda m: m["input"].__setitem__("shape", [None, 4, 32]),
+    "label dtype": lambda m: m["label"].__setitem__("dtype", "int32"),
+}
+
+
+@pytest.mark.parametrize("what", list(EDITS))
+def test_edited_settings_are_refused(bundle, what):
+    _edit_manifest(bundle, EDITS[what])
+    with pytest.raises(BundleError, match="were edited after export"):
+        Runner.load(bundle)
+
+
+@pytest.mark.parametrize("what, match", [
+    ("n_classes", "label.n_classes is 5 but the output 'output' has width 3"),
+    ("output name", "names the output 'logits'"),
+    ("weight decay", "has weight_decay=0.0099.*the manifest's optimizer says 0.5"),
+    ("input shape", r"input 'input' has shape \[None, 4, 16\], the manifest says \[None, 4, 32\]"),
+    ("label dtype", "label 'labels' is type 7"),
+])
+def test_without_the_digest_the_graphs_still_catch_edits(bundle, what, match):
+    _strip_digest(bundle)
+    Runner.load(bundle)  # an old bundle without the digest loads
+    _edit_manifest(bundle, EDITS[what])
+    with pytest.raises(BundleError, match=match):
+        Runner.load(bundle)
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("lr", 100.0, "optimizer/lr"), ("lr", 0, "optimizer/lr"), ("lr", "NaN", "not valid JSON"),
+    ("weight_decay", -1, "optimizer/weight_decay"), ("betas", [0.9, 1.5], "optimizer/betas"),
+    ("eps", 0, "optimizer/eps"),
+])
+def test_numbers_are_bounded(bundle, field, value, match):
+    text = (bundle / "manifest.json").read_text()
+    m = json.loads(text)
+    m["optimizer"][field] = value
+    raw = json.dumps(m).replace('"NaN"', "NaN")
+    (bundle / "manifest.json").write_text(raw)
+    with pytest.raises(BundleError, match=match):
+        read_manifest(bundle)
+
+
+def test_state_counters_and_shapes_are_bounded(bundle):
+    _edit_manifest(bundle, lambda m: m["state"].__setitem__("step", -3))
+    with pytest.raises(BundleError, match="state/step"):
+        read_manifest(bundle)
+
+
+def test_masks_are_verified(bundle):
+    with np.load(bundle / "masks.npz") as z:
+        masks = {k: z[k] for k in z.files}
+    name = next(k for k, v in masks.items() if v.any() and not v.all())  # the channel-split conv2
+    masks[name] = ~masks[name]
+    masks[name][0] = True
+    np.savez(bundle / "masks.npz", **masks)
+    _rehash(bundle, "masks.npz")
+    with pytest.raises(BundleError, match=rf"masks\.npz: mask of {name} selects"):
+        Runner.load(bundle)
+
+
+def test_oversized_checkpoint_is_refused_before_it_is_read(bundle, monkeypatch):
+    import edgeadapt.bundle as bundle_mod
+
+    with open(bundle / "checkpoint", "ab") as f:
+        f.truncate(64 << 20)  # sparse: a 64 MiB file for a model of a few KiB
+    read = []
+    real = bundle_mod.sha256_file
+    monkeypatch.setattr(bundle_mod, "sha256_file", lambda p, *a: read.append(p.name) or real(p, *a))
+    with pytest.raises(BundleError, match=r"checkpoint is 67108864 bytes, far more than this model needs .* not read"):
+        Runner.load(bundle)
+    assert "checkpoint" not in read
+
+
+def test_damaged_checkpoint_values_are_refused(bundle):
+    runner = Runner.load(bundle)
+    runner.adapt(*make_data(np.random.default_rng(0), n=8), epochs=1, batch_size=4, progress=False)
+    # A checkpoint whose values are NaN (as a damaged file that still parses would give).
+    import edgeadapt.runtime.backend as backend_mod
+
+    real = backend_mod.OrtTrainingBackend.get_tensor
+    try:
+        backend_mod.OrtTrainingBackend.get_tensor = lambda self, n: real(self, n) * np.nan
+        with pytest.raises(BundleError, match=r"checkpoint: tensor '.*' holds \d+ NaN or infinite values"):
+            Runner.load(bundle)
+    finally:
+        backend_mod.OrtTrainingBackend.get_tensor = real
+
+
+def test_digest_is_stamped_in_every_graph(bundle):
+    manifest = read_manifest(bundle)
+    from edgeadapt.bundle import contract_digest
+
+    for role in ("training_model", "eval_model", "optimizer_model"):
+        props = {p.key: p.value for p in onnx.load(bundle / manifest.files[role]).metadata_props}
+        assert props[CONTRACT_KEY] == contract_digest(manifest)
+
+
+# ---- item 11: errors that leaked -------------------------------------------------------------
+def test_non_utf8_manifest_names_the_file(bundle):
+    (bundle / "manifest.json").write_bytes(b'{"schema_version": 1, "x": "\xff\xfe"}')
+    with pytest.raises(BundleError, match=r"manifest\.json is not UTF-8 text"):
+        Runner.load(bundle)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.uint8])
+def test_labels_of_another_integer_dtype_fail_clearly(bundle, dtype):
+    X, y = make_data(np.random.default_rng(0), n=8)
+    with pytest.raises(InputError, match=rf"y has dtype {np.dtype(dtype)}, the bundle expects int64.*astype"):
+        Runner.load(bundle).adapt(X, y.astype(dtype), progress=False)
+
+
+def test_zero_dimensional_labels_fail_clearly(bundle):
+    X, _ = make_data(np.random.default_rng(0), n=8)
+    with pytest.raises(InputError, match="y is a scalar"):
+        Runner.load(bundle).adapt(X, np.array(1), progress=False)
+
+
+@pytest.mark.parametrize("lr", [float("nan"), float("inf"), -1e-3, "fast"])  # 0 means: update BN statistics only
+def test_bad_learning_rates_are_refused_before_any_step(bundle, lr):
+    runner = Runner.load(bundle)
+    before = runner.parameters(trainable_only=True)
+    with pytest.raises(InputError, match="lr must be"):
+        runner.adapt(*make_data(np.random.default_rng(0), n=8), lr=lr, progress=False)
+    after = runner.parameters(trainable_only=True)
+    assert runner.step == 0 and all(np.array_equal(before[k], after[k]) for k in before)
