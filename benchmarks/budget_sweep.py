@@ -10,7 +10,8 @@ Four parts, each printed as a table and written to ``--out`` (``budget_*.json/.m
    ``export_bundle(memory_budget=B, n_windows=N, batch_windows=b)`` (the planner picks what
    trains), then in a FRESH process where ``import torch`` fails
    (``edgeadapt.harness.isolation.forbid_torch``) load it with the runner, warm up (one
-   2-window prediction: inference kernels paged in), and run one ``Runner.adapt`` call over
+   2-window prediction: inference kernels paged in; numpy's shuffling generator used once: its
+   first use costs ~0.8 MiB anonymous memory), and run one ``Runner.adapt`` call over
    ``N`` synthetic windows (``--epochs`` epochs, batch ``b``, the plan's micro-batch). The
    figures are the runner's own (``AdaptResult``): the peak of the whole call and of one step
    over the loaded runner, total (VmHWM delta) and anonymous only (sampled RssAnon), next to
@@ -85,7 +86,8 @@ WEIGHT_DECAY = 0.01
 # ------------------------------------------------------------------------------------------
 def budget_ladder(low_bytes: int, high_bytes: int, count: int, extra: tuple[int, ...] = ()) -> list[int]:
     """``count`` budgets spaced geometrically from ``low_bytes`` to ``high_bytes`` (both included),
-    plus the ``extra`` values that fall strictly inside; sorted, distinct, ints.
+    plus the ``extra`` values that fall strictly inside (an extra value replaces interior ladder
+    points within 10 % of it); sorted, distinct, ints.
 
     Raises:
         ValueError: ``count < 2`` or ``low_bytes`` not in ``(0, high_bytes]``.
@@ -95,10 +97,10 @@ def budget_ladder(low_bytes: int, high_bytes: int, count: int, extra: tuple[int,
     if not 0 < low_bytes <= high_bytes:
         raise ValueError(f"need 0 < low_bytes <= high_bytes, got {low_bytes} and {high_bytes}")
     ratio = (high_bytes / low_bytes) ** (1.0 / (count - 1))
-    ladder = {low_bytes, high_bytes}
-    ladder.update(int(round(low_bytes * ratio**i)) for i in range(1, count - 1))
-    ladder.update(int(e) for e in extra if low_bytes < e < high_bytes)
-    return sorted(ladder)
+    inside = [int(e) for e in extra if low_bytes < e < high_bytes]
+    interior = [int(round(low_bytes * ratio**i)) for i in range(1, count - 1)]
+    interior = [b for b in interior if all(abs(b - e) > 0.1 * e for e in inside)]
+    return sorted({low_bytes, high_bytes, *interior, *inside})
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -178,6 +180,20 @@ def _synthetic_data(n: int, shape: tuple[int, ...], n_classes: int, seed: int):
     return X, (np.arange(n) % n_classes).astype(np.int64)
 
 
+def _warm_up_python(n: int, seed: int) -> None:
+    """First use, before the baseline, of what an adapt loop uses besides the engine.
+
+    numpy's first ``default_rng(...).permutation`` in a process pages in ~2 MiB of code and
+    allocates ~0.8 MiB of anonymous memory once (measured); without this the first shuffle of
+    the measured call would count it. A temporary directory (the runner's rollback scratch) too.
+    """
+    import numpy as np
+
+    np.random.default_rng(seed).permutation(n)
+    with tempfile.TemporaryDirectory(prefix="budget_sweep-warm-"):
+        pass
+
+
 def runner_job(spec: dict[str, Any]) -> dict[str, Any]:
     """Torch-free: load the bundle, warm up, one measured ``adapt`` call, optional evaluation.
 
@@ -195,7 +211,9 @@ def runner_job(spec: dict[str, Any]) -> dict[str, Any]:
         X, y = ad.X, ad.y
     else:
         X, y = _synthetic_data(spec["n_windows"], tuple(m.input.shape[1:]), int(m.label["n_classes"]), spec["seed"])
-    runner.predict(X[:2])  # warm-up: the inference kernels (prefix, eval graph) paged in before the baseline
+    _warm_up_python(len(X), spec["seed"])
+    runner.predict(X[:2])  # the inference kernels (prefix, eval graph) paged in before the baseline
+    gc.collect()
     loaded = status_fields("VmRSS", "RssAnon")
     result = runner.adapt(X, y, epochs=spec["epochs"], batch_size=spec["batch_windows"], lr=spec.get("lr"),
                           seed=spec["seed"], progress=False)
@@ -235,6 +253,7 @@ def torch_job(spec: dict[str, Any]) -> dict[str, Any]:
         return torch.optim.AdamW(m.parameters(), lr=spec["lr"], weight_decay=WEIGHT_DECAY)
 
     # Warm-up on a throw-away copy with 2 windows: torch's code for forward, backward and AdamW paged in.
+    _warm_up_python(len(X), spec["seed"])
     spare = copy.deepcopy(model)
     opt = optimizer(spare)
     loss_fn(spare(torch.from_numpy(X[:2])), torch.from_numpy(y[:2])).backward()

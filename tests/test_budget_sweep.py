@@ -29,6 +29,8 @@ def test_ladder_is_geometric_and_keeps_both_ends(bs):
 def test_ladder_adds_extra_budgets_inside_only(bs):
     ladder = bs.budget_ladder(1000, 8000, 2, extra=(500, 3000, 8000, 9000))
     assert ladder == [1000, 3000, 8000]
+    # 4000 (the ladder's middle point) is within 10 % of 3700: the extra value takes its place.
+    assert bs.budget_ladder(1000, 16000, 5, extra=(3700,)) == [1000, 2000, 3700, 8000, 16000]
     assert bs.budget_ladder(5, 5, 3) == [5]
     with pytest.raises(ValueError, match="count"):
         bs.budget_ladder(1, 2, 1)
