@@ -20,8 +20,10 @@ The cost model (what the executor reserves, per step of ``b`` windows):
   weights of the next ``prefetch_depth`` blocks, and block ``k``'s saved tensors and output;
 * backward of block ``k``: activations of blocks up to ``k``, the recomputed saved tensors of
   ``k`` (when recomputed), the gradient flowing in and out, block ``k``'s weights and
-  gradients, the prefetched weights, and, when the optimizer runs in the compute tier's own
-  memory (a CPU run from the disk tier), the staged master weights and optimizer state.
+  gradients, the prefetched weights, and the gradients of the block before (in backward
+  order), whose optimizer update runs while ``k`` computes, with that update's staged master
+  weights and optimizer state when it stages them in the compute tier's own memory (a CPU run
+  from the disk tier).
 
 A kept block holds ``saved + output`` bytes per window until its backward; a recomputed
 block keeps only its output (the next block's input) and rebuilds the rest in backward.
@@ -67,7 +69,7 @@ class BlockCost:
         weight_bytes: its parameters.
         grad_bytes: its gradients (same as ``weight_bytes``).
         staging_bytes: master weights + optimizer state staged for the update in the compute
-            tier's memory (0 when the update runs elsewhere).
+            tier's memory, plus one temporary of the same size (0 when the update runs elsewhere).
         saved_bytes: what its backward keeps (``b`` windows).
         output_bytes: its output (``b`` windows).
         input_bytes: its input (``b`` windows): the previous block's output or the batch.
@@ -88,7 +90,7 @@ class BlockCost:
 
 
 def block_costs(graph: Graph, batch_windows: int, *, optimizer: str = "adamw",
-                staging: bool = False) -> list[BlockCost]:
+                staging: bool = False, staging_chunk_bytes: int | None = None) -> list[BlockCost]:
     """Per-block byte counts in execution order.
 
     Args:
@@ -97,6 +99,8 @@ def block_costs(graph: Graph, batch_windows: int, *, optimizer: str = "adamw",
         optimizer: ``"adamw"`` or ``"sgd"`` (optimizer-state copies per parameter).
         staging: the update stages master weights and optimizer state in the compute tier's
             memory (True for a CPU run whose state lives on disk).
+        staging_chunk_bytes: the update stages at most this many bytes of each vector at a
+            time (``None``: a whole block at once).
     """
     if optimizer not in OPTIMIZER_STATE_COPIES:
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATE_COPIES)}, got {optimizer!r}")
@@ -104,7 +108,9 @@ def block_costs(graph: Graph, batch_windows: int, *, optimizer: str = "adamw",
     prev_out = graph.input_bytes
     for op in graph.ops:
         w = sum(graph.param(p).param_bytes for p in op.params)
-        st = w * (1 + OPTIMIZER_STATE_COPIES[optimizer]) if staging else 0
+        per_vector = w if staging_chunk_bytes is None else min(w, staging_chunk_bytes)
+        # master weights + optimizer state + one temporary of the vectorised update
+        st = per_vector * (2 + OPTIMIZER_STATE_COPIES[optimizer]) if staging else 0
         out.append(BlockCost(op.name, w, w, st, op.saved_bytes * batch_windows, op.output_bytes * batch_windows,
                              prev_out * batch_windows))
         prev_out = op.output_bytes
@@ -138,7 +144,10 @@ def offload_peak(costs: list[BlockCost], recompute: list[bool], prefetch_depth: 
         ahead = sum(x.weight_bytes for x in costs[max(0, k - prefetch_depth):k])
         held_upto = sum(act[: k + 1])
         rebuilt = c.saved_bytes if recompute[k] else 0
-        total = (fixed_bytes + held_upto + rebuilt + c.output_bytes + c.input_bytes + c.update_bytes + ahead)
+        # the update of the block before (in backward order) may still hold its gradients and staging
+        previous = costs[k + 1].grad_bytes + costs[k + 1].staging_bytes if k + 1 < n else 0
+        total = (fixed_bytes + held_upto + rebuilt + c.output_bytes + c.input_bytes + c.weight_bytes
+                 + c.grad_bytes + ahead + previous)
         phases["backward"] = max(phases["backward"], total)
         if total > best[0]:
             best = (total, f"backward:{c.name}")
@@ -147,7 +156,8 @@ def offload_peak(costs: list[BlockCost], recompute: list[bool], prefetch_depth: 
 
 def plan_offload(graph: Graph, budget_bytes: int, *, batch_windows: int = 1, tier: str = "host",
                  optimizer: str = "adamw", recompute: bool | str | None = None, prefetch_depth: int = 1,
-                 resident_bytes: int = 0, staging: bool | None = None) -> Plan:
+                 resident_bytes: int = 0, staging: bool | None = None,
+                 staging_chunk_bytes: int | None = None) -> Plan:
     """Plan a streaming training step of ``graph`` under ``budget_bytes`` of compute memory.
 
     Args:
@@ -165,6 +175,7 @@ def plan_offload(graph: Graph, budget_bytes: int, *, batch_windows: int = 1, tie
         staging: the update stages master weights and optimizer state in compute memory;
             default: True exactly for the disk tier (a CPU run; pass False for a GPU run,
             whose update stages in host memory).
+        staging_chunk_bytes: the staged update's chunk per vector (``None``: whole blocks).
 
     Returns:
         A :class:`Plan` with every parameter ``full`` on ``tier``, ``order`` = block order,
@@ -182,7 +193,8 @@ def plan_offload(graph: Graph, budget_bytes: int, *, batch_windows: int = 1, tie
     if prefetch_depth < 0 or batch_windows < 1 or budget_bytes <= 0:
         raise ValueError("prefetch_depth must be >= 0, batch_windows >= 1 and budget_bytes > 0")
     staging = (tier == "disk") if staging is None else staging
-    costs = block_costs(graph, batch_windows, optimizer=optimizer, staging=staging)
+    costs = block_costs(graph, batch_windows, optimizer=optimizer, staging=staging,
+                        staging_chunk_bytes=staging_chunk_bytes)
     fixed = resident_bytes + graph.input_bytes * batch_windows
 
     worst = max(costs, key=lambda c: c.update_bytes)

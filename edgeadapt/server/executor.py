@@ -123,13 +123,17 @@ class StreamingExecutor:
         plan: the offload plan (order, prefetch depth, keep/recompute per block).
         optimizer: hyper-parameters.
         reduce: gradient reduction hook, called before each block's update.
+        chunk_numel: elements per chunk of a disk-tier update (staged bytes: 4 x this x
+            (2 + optimizer-state vectors): master weights, state, one temporary).
     """
 
     def __init__(self, blocks: list[Block], store: StateStore, ledger: MemoryLedger, device: torch.device,
-                 plan: Plan, optimizer: OptimizerSpec, reduce: ReduceFn | None = None):
+                 plan: Plan, optimizer: OptimizerSpec, reduce: ReduceFn | None = None,
+                 chunk_numel: int = 1 << 18):
         self.store, self.ledger, self.device, self.optimizer = store, ledger, device, optimizer
         self.reduce: ReduceFn = reduce or _no_reduce
         self.lr = optimizer.lr
+        self.chunk_numel = int(chunk_numel)
         self.slots: list[BlockSlot] = []
         for i, b in enumerate(blocks):
             named = list(b.module.named_parameters())
@@ -142,6 +146,8 @@ class StreamingExecutor:
                                         steps=[0] * len(named)))
         self._by_name = {s.name: s for s in self.slots}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgeadapt-prefetch")
+        self._updater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgeadapt-update")
+        self._pending: list[Future] = []
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.set_plan(plan)
         self._originals: dict[int, Callable] = {}
@@ -293,8 +299,18 @@ class StreamingExecutor:
         self.prefetch(self.schedule[0])
         self._prefetch_after(0)
 
+    def wait_updates(self) -> None:
+        """Wait for the step's optimizer updates; re-raises the first failure."""
+        pending, self._pending = self._pending, []
+        errors = [f.exception() for f in pending]
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+
     def end_step(self) -> None:
-        """Release whatever the step left behind (prefetches for blocks that did not run)."""
+        """Wait for the updates and release whatever the step left behind (prefetches for blocks
+        that did not run, graphs of a step that failed)."""
+        self.wait_updates()
         for s in self.slots:
             if s.state is not Residency.OFFLOADED or s.flat is not None:
                 self.release(s.index)
@@ -336,34 +352,82 @@ class StreamingExecutor:
             return self._originals[slot.index](*args, **kwargs)
 
     def update(self, slot: BlockSlot, grads: list[torch.Tensor | None]) -> None:
-        """Reduce ``grads`` and apply the optimizer to the block's master copy."""
+        """Reduce ``grads`` and hand the block's optimizer update to the update thread.
+
+        The reduction (a collective when a process group is set) and the copy of the gradients
+        off a GPU run on the calling thread, in block order; the update itself runs on one
+        background thread while the backward of the next block proceeds. :meth:`end_step`
+        waits for it. The reservation ``grads:<block>`` is released when the gradients are
+        no longer held in the compute tier.
+        """
         present = [i for i, g in enumerate(grads) if g is not None]
         gl = [grads[i] for i in present]
-        self.reduce(slot.name, gl)
-        if self.device.type != "cpu":
-            gl = [g.to("cpu") for g in gl]
-            self.ledger.release(f"grads:{slot.name}")
-        staged = not self.store.in_place() and self.device.type == "cpu"
-        kinds = ("param", *self.optimizer.state_kinds)
-        if staged:
-            self.ledger.reserve(f"staging:{slot.name}", slot.weight_bytes * len(kinds))
         try:
-            flats = {k: self.store.read(slot.index, k) for k in kinds}
-            views = {k: slot.views(v) for k, v in flats.items()}
-            for i in present:
-                slot.steps[i] += 1
-            update_block(self.optimizer, [views["param"][i] for i in present], gl,
-                         {k: [views[k][i] for i in present] for k in self.optimizer.state_kinds},
-                         [slot.steps[i] for i in present], lr=self.lr)
-            if not self.store.in_place():
-                for k in kinds:
-                    self.store.write(slot.index, k, flats[k])
-            del flats, views
+            self.reduce(slot.name, gl)
+            if self.device.type != "cpu":
+                gl = [g.to("cpu") for g in gl]
+                self.ledger.release(f"grads:{slot.name}")
+        except BaseException:
+            self.ledger.release(f"grads:{slot.name}")
+            raise
+        for i in present:
+            slot.steps[i] += 1
+        steps = [slot.steps[i] for i in present]
+        self.wait_updates()  # at most one update in flight: the planner counts one block's gradients
+        self._pending.append(self._updater.submit(self._apply, slot, present, gl, steps))
+
+    def _apply(self, slot: BlockSlot, present: list[int], gl: list[torch.Tensor], steps: list[int]) -> None:
+        """The optimizer update of one block (update thread).
+
+        Host tier: in place on the master tensors. Disk tier: in chunks of
+        :attr:`chunk_numel` elements (master weights and optimizer state read, updated and
+        written back a chunk at a time; the update is elementwise, so chunking changes no bit).
+        """
+        try:
+            self._apply_update(slot, present, gl, steps)
         finally:
-            self.ledger.release(f"staging:{slot.name}")
+            self.ledger.release(f"grads:{slot.name}")
+
+    def _apply_update(self, slot: BlockSlot, present: list[int], gl: list[torch.Tensor], steps: list[int]) -> None:
+        kinds = ("param", *self.optimizer.state_kinds)
+        if self.store.in_place():
+            views = {k: slot.views(self.store.read(slot.index, k)) for k in kinds}
+            update_block(self.optimizer, [views["param"][i] for i in present], gl,
+                         {k: [views[k][i] for i in present] for k in self.optimizer.state_kinds}, steps, lr=self.lr)
+            return
+        staged_here = self.device.type == "cpu"
+        flat_grads = [g.reshape(-1) for g in gl]
+        for a in range(0, slot.numel, self.chunk_numel):
+            b = min(slot.numel, a + self.chunk_numel)
+            if staged_here:
+                # the staged vectors plus one chunk-sized temporary of the foreach AdamW (its sqrt)
+                self.ledger.reserve(f"staging:{slot.name}", 4 * (b - a) * (len(kinds) + 1))
+            try:
+                bufs = {k: self.store.read_range(slot.index, k, a, b - a) for k in kinds}
+                pieces: dict[str, list[torch.Tensor]] = {k: [] for k in kinds}
+                gp, sp = [], []
+                for j, i in enumerate(present):
+                    o, n = slot.offsets[i], slot.shapes[i].numel()
+                    lo, hi = max(a, o), min(b, o + n)
+                    if lo >= hi:
+                        continue
+                    for k in kinds:
+                        pieces[k].append(bufs[k][lo - a:hi - a])
+                    gp.append(flat_grads[j][lo - o:hi - o])
+                    sp.append(steps[j])
+                if gp:
+                    update_block(self.optimizer, pieces["param"], gp,
+                                 {k: pieces[k] for k in self.optimizer.state_kinds}, sp, lr=self.lr)
+                    for k in kinds:
+                        self.store.write_range(slot.index, k, a, bufs[k])
+                del bufs, pieces
+            finally:
+                self.ledger.release(f"staging:{slot.name}")
 
     def close(self) -> None:
+        self.wait_updates()
         self._pool.shutdown(wait=True)
+        self._updater.shutdown(wait=True)
 
 
 class _Call:
@@ -449,10 +513,11 @@ class _Call:
             ex.release(slot.index)
             ex.ledger.release(f"activations:{slot.name}")
             ex._act_keys.pop(slot.index, None)
-            ex.update(slot, pgrads)
-            del pgrads
-        finally:
+        except BaseException:
             ex.ledger.release(f"grads:{slot.name}")
+            raise
+        ex.update(slot, pgrads)  # owns the gradients' reservation from here on
+        del pgrads
         it = iter(igrads)
         return tuple(next(it) if need and x.requires_grad else None for x, need in zip(xs, need_in))
 

@@ -58,6 +58,16 @@ class StateStore:
         """Replace the stored vector with ``flat`` (a CPU float32 vector)."""
         raise NotImplementedError
 
+    def read_range(self, block: int, kind: str, start: int, count: int) -> torch.Tensor:
+        """Elements ``start .. start + count`` of the vector, as a new CPU tensor."""
+        return self.read(block, kind)[start:start + count].clone()
+
+    def write_range(self, block: int, kind: str, start: int, values: torch.Tensor) -> None:
+        """Overwrite elements from ``start`` with ``values``."""
+        flat = self.read(block, kind).clone()
+        flat[start:start + values.numel()] = values
+        self.write(block, kind, flat)
+
     def in_place(self) -> bool:
         """True when :meth:`read` returns the stored tensor itself (updates land without write)."""
         return False
@@ -174,6 +184,31 @@ class DiskStore(StateStore):
             raise OSError(errno.EIO, f"{self._paths[(block, kind)]} holds {got} bytes, expected {4 * n}; the "
                           "offload folder was changed while training")
         return out
+
+    def read_range(self, block: int, kind: str, start: int, count: int) -> torch.Tensor:
+        out = torch.empty(count, dtype=torch.float32)
+        fd = os.open(self._paths[(block, kind)], os.O_RDONLY)
+        try:
+            got = os.preadv(fd, [_bytes_view(out)], 4 * start)
+            os.posix_fadvise(fd, 4 * start, 4 * count, os.POSIX_FADV_DONTNEED) if hasattr(os, "posix_fadvise") else None
+        finally:
+            os.close(fd)
+        if got != 4 * count:
+            raise OSError(errno.EIO, f"{self._paths[(block, kind)]} is shorter than expected; the offload folder "
+                          "was changed while training")
+        return out
+
+    def write_range(self, block: int, kind: str, start: int, values: torch.Tensor) -> None:
+        values = values.detach().contiguous()
+        fd = os.open(self._paths[(block, kind)], os.O_WRONLY)
+        try:
+            mv, pos = _bytes_view(values), 4 * start
+            while mv:
+                n = os.pwrite(fd, mv, pos)
+                mv, pos = mv[n:], pos + n
+            _drop_cache(fd)
+        finally:
+            os.close(fd)
 
     def write(self, block: int, kind: str, flat: torch.Tensor) -> None:
         flat = flat.detach().contiguous()

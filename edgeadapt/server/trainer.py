@@ -105,6 +105,8 @@ class Trainer:
         example_input: one batch (or tuple of inputs) to trace the model; the first
             :meth:`step` batch is used when omitted.
         prefetch_depth: blocks brought in ahead of use (lowered by the planner if needed).
+        update_chunk_numel: the disk tier updates master weights and optimizer state this many
+            elements at a time (bounds the staged bytes; the result does not depend on it).
 
     Raises:
         BudgetExceeded: the budget cannot hold the largest block (named), or one step.
@@ -115,7 +117,8 @@ class Trainer:
     def __init__(self, model: nn.Module, loss: str | Callable = "cross_entropy", optimizer=None, *,
                  memory_budget: int | str | None = None, offload: str | None = "host",
                  offload_dir: str | os.PathLike | None = None, device: str = "auto",
-                 recompute: bool | str = False, process_group=None, example_input=None, prefetch_depth: int = 1):
+                 recompute: bool | str = False, process_group=None, example_input=None, prefetch_depth: int = 1,
+                 update_chunk_numel: int = 1 << 18):
         if offload not in ("host", "disk", None):
             raise ValueError(f"offload must be 'host', 'disk' or None, got {offload!r}")
         if recompute not in (False, True, "auto"):
@@ -131,6 +134,7 @@ class Trainer:
         else:
             self.loss_name, self.loss_fn = getattr(loss, "__name__", "custom"), loss
         self.offload, self.recompute, self.prefetch_depth = offload, recompute, int(prefetch_depth)
+        self.chunk_numel = int(update_chunk_numel)
         self.budget_bytes = None if memory_budget is None else parse_bytes(memory_budget)
         self.ledger = MemoryLedger(self.budget_bytes)
         self.step_count = 0
@@ -187,7 +191,8 @@ class Trainer:
                 self._plan_for(int(_tensors(example_input)[0].shape[0]))
             self.executor = StreamingExecutor(self.blocks, self.store, self.ledger, self.device,
                                               self._plans.get(self._first_batch(), None) or self._default_plan(),
-                                              self.spec, reduce=lambda name, grads: self._reduce(name, grads))
+                                              self.spec, reduce=lambda name, grads: self._reduce(name, grads),
+                                              chunk_numel=self.chunk_numel)
             self.executor.load_weights(dict(model.named_parameters()))
             self.executor.install()
             for mod in model.modules():
@@ -215,7 +220,8 @@ class Trainer:
                 self._graph, self.budget_bytes or 2**62, batch_windows=batch, tier=self.offload,
                 optimizer=self.spec.name, recompute="auto" if self.recompute == "auto" else bool(self.recompute),
                 prefetch_depth=self.prefetch_depth, resident_bytes=self.buffer_bytes,
-                staging=self.offload == "disk" and self.device.type == "cpu")
+                staging=self.offload == "disk" and self.device.type == "cpu",
+                staging_chunk_bytes=4 * self.chunk_numel)
             p = self._plans[batch]
             log.info("offload plan for %d windows: predicted peak %s at %s, prefetch %d, recompute %s",
                      batch, format_bytes(p.predicted.peak_bytes), p.predicted.where, p.prefetch_depth,

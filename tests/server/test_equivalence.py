@@ -55,3 +55,17 @@ def test_tracked_peak_stays_under_the_budget_and_blocks_are_released(offload, ad
     # between steps only buffers are held in the compute tier
     assert r["tiers"]["compute"] == t.buffer_bytes
     t.close()
+
+
+def test_disk_updates_in_small_chunks_change_no_bit(adamw, tmp_path):
+    data = batches("mlp", 3)
+    ref = reference_train(make_mlp(), data)
+    model = make_mlp()
+    torch.manual_seed(123)
+    t = Trainer(model, optimizer=adamw, offload="disk", offload_dir=tmp_path, device="cpu", update_chunk_numel=100,
+                example_input=data[0][0])
+    for x, y in data:
+        t.step(x, y)
+    got, want = t.model().state_dict(), ref.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    t.close()

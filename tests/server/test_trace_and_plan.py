@@ -1,0 +1,92 @@
+"""The torch adapter (block graph from a module) and the offload planner in edgeadapt.sched.offload."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from server_helpers import make_cnn, make_mlp
+from torch import nn
+
+from edgeadapt.sched import Graph, Op, Param, Plan
+from edgeadapt.sched.offload import BudgetExceeded, block_costs, offload_peak, plan_offload
+from edgeadapt.server import find_blocks, trace_graph
+
+
+def test_blocks_are_container_items_and_other_top_level_children():
+    assert [b.name for b in find_blocks(make_mlp(depth=3))] == ["proj", "layers.0", "layers.1", "layers.2", "norm",
+                                                                 "head"]
+    assert [b.name for b in find_blocks(make_cnn())] == ["blocks.0", "blocks.1", "blocks.2", "head"]
+    seq = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    assert [b.name for b in find_blocks(seq)] == ["0", "2"]  # parameter-free modules run in between
+
+
+def test_trace_counts_match_a_hand_count_and_leave_the_model_untouched():
+    model = make_mlp(d_in=12, width=32, depth=2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(8, 12)
+    rng = torch.get_rng_state()
+    g = trace_graph(model, x)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert [o.name for o in g.ops] == ["proj", "layers.0", "layers.1", "norm", "head"]
+    assert g.input_bytes == 12 * 4
+    assert g.param_bytes == 4 * sum(p.numel() for p in model.parameters())
+    layer = g.ops[1]
+    assert layer.output_bytes == 32 * 4
+    # per window: the fc output (GELU's input) and dropout's mask (float32 on the CPU, as torch saves it);
+    # the fc's input is the block's input (counted as the previous block's output), its weight a parameter
+    assert layer.saved_bytes == 32 * 4 + 32 * 4
+    assert g.ops[0].saved_bytes == 0  # a Linear on the model input keeps nothing but its weight
+    Graph.from_dict(json.loads(json.dumps(g.to_dict())))
+
+
+def _chain(n: int, weight_bytes: int, saved: int, out: int) -> Graph:
+    params = [Param(f"b{i}.w", (weight_bytes // 4,)) for i in range(n)]
+    ops = [Op(f"b{i}", "block", params=(f"b{i}.w",), inputs=() if i == 0 else (f"b{i - 1}",), output_bytes=out,
+              saved_bytes=saved, workspace_bytes=out) for i in range(n)]
+    return Graph(tuple(ops), tuple(params), input_bytes=out, name="chain")
+
+
+def test_plan_fits_the_budget_and_round_trips():
+    g = _chain(8, 4096, 1000, 100)
+    plan = plan_offload(g, 80 * 1024, batch_windows=4, tier="disk", prefetch_depth=2)
+    assert plan.order == tuple(f"b{i}" for i in range(8))
+    assert {p.tier.value for p in plan.params} == {"disk"} and {p.mode.value for p in plan.params} == {"full"}
+    assert plan.prefetch_depth == 2 and plan.recomputed == ()
+    assert plan.predicted.peak_bytes <= 80 * 1024
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_auto_recompute_and_prefetch_give_way_in_that_order():
+    g = _chain(8, 4096, 4000, 100)
+    costs = block_costs(g, 4)
+    keep_all = offload_peak(costs, [False] * 8, 1, fixed_bytes=400).peak_bytes
+    budget = keep_all - 4 * 4000  # needs at least some recompute
+    plan = plan_offload(g, budget, batch_windows=4, recompute="auto", prefetch_depth=1)
+    assert plan.recomputed and plan.prefetch_depth == 1
+    assert plan.predicted.peak_bytes <= budget
+    with pytest.raises(BudgetExceeded, match="recompute='auto'"):
+        plan_offload(g, budget, batch_windows=4, recompute=False)
+    # recompute never raises a peak: all-recompute is below keep-all here
+    assert plan_offload(g, keep_all, batch_windows=4, recompute=True).predicted.peak_bytes < keep_all
+
+
+def test_block_too_large_names_it_with_bytes_and_budget():
+    g = _chain(3, 4096, 0, 4)
+    with pytest.raises(BudgetExceeded) as e:
+        plan_offload(g, 10_000, tier="disk")
+    assert e.value.block == "b0" and e.value.have_bytes == 10_000
+    # weights + grads + staged master, 2 moments and one temporary + the input window
+    assert e.value.need_bytes == 4096 * 2 + 4096 * 4 + 4
+    assert "'b0'" in str(e.value) and "9.77 KiB" in str(e.value) and "24.00 KiB" in str(e.value)
+    # the same budget holds the block when the update stages 1 KiB chunks
+    plan_offload(g, 18_000, tier="disk", staging_chunk_bytes=1024, prefetch_depth=0)
+
+
+def test_bad_arguments_are_refused():
+    g = _chain(2, 64, 0, 4)
+    for kw in ({"tier": "gpu"}, {"recompute": "sometimes"}, {"prefetch_depth": -1}, {"optimizer": "lamb"}):
+        with pytest.raises(ValueError):
+            plan_offload(g, 10**6, **kw)
