@@ -35,29 +35,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .errors import BudgetExceeded
 from .ir import Graph
 from .plan import Action, Mode, ParamPlan, Peak, Plan, Tier, format_bytes
 
-__all__ = ["BudgetExceeded", "BlockCost", "block_costs", "plan_offload", "offload_peak", "OPTIMIZER_STATE_COPIES"]
+__all__ = ["BudgetExceeded", "BlockTooLarge", "BlockCost", "block_costs", "plan_offload", "offload_peak", "OPTIMIZER_STATE_COPIES"]
 
 OPTIMIZER_STATE_COPIES = {"adamw": 2, "sgd": 0}
 """Optimizer-state tensors per parameter tensor (AdamW: first and second moment)."""
 
 
-class BudgetExceeded(ValueError):
-    """A plan needs more memory than the budget allows; carries the numbers.
+class BlockTooLarge(BudgetExceeded):
+    """One block's weights, gradients and staged optimizer state alone exceed the budget.
 
     Attributes:
-        need_bytes: what the smallest plan (or the named block) needs.
-        have_bytes: the budget.
-        tier: the tier whose budget is exceeded (``"compute"``).
-        block: the block that alone cannot fit, if that is the cause.
+        block: the block's name (and ``need_bytes``/``have_bytes``/``where`` as
+            :class:`~edgeadapt.sched.errors.BudgetExceeded`).
     """
 
-    def __init__(self, message: str, *, need_bytes: int, have_bytes: int, tier: str = "compute",
-                 block: str | None = None):
-        super().__init__(message)
-        self.need_bytes, self.have_bytes, self.tier, self.block = int(need_bytes), int(have_bytes), tier, block
+    def __init__(self, need_bytes: int, have_bytes: int, block: str, detail: str = ""):
+        self.block = block
+        self.detail = detail
+        super().__init__(need_bytes, have_bytes, f"block {block!r}", "compute", detail)
+
+    def __reduce__(self):
+        return (type(self), (self.need_bytes, self.have_bytes, self.block, self.detail))
 
 
 @dataclass(frozen=True)
@@ -182,8 +184,9 @@ def plan_offload(graph: Graph, budget_bytes: int, *, batch_windows: int = 1, tie
         ``activations`` per block, and the predicted peak.
 
     Raises:
-        BudgetExceeded: one block's weights, gradients and staged state alone exceed the
-            budget (the error names the block), or no recompute/prefetch choice fits.
+        BlockTooLarge: one block's weights, gradients and staged state alone exceed the
+            budget (the error names the block, its bytes and the budget).
+        BudgetExceeded: no recompute/prefetch choice fits (the error names the peak's place).
         ValueError: an unknown tier, optimizer or recompute value.
     """
     if tier not in ("host", "disk"):
@@ -205,11 +208,10 @@ def plan_offload(graph: Graph, budget_bytes: int, *, batch_windows: int = 1, tie
         if fixed:
             parts += f" + always-resident buffers and input {format_bytes(fixed)}"
         need = fixed + worst.update_bytes
-        raise BudgetExceeded(
-            f"block {worst.name!r} alone needs {format_bytes(need)} ({parts}) but the memory budget is "
-            f"{format_bytes(budget_bytes)}; raise the budget to at least {format_bytes(need)} plus room for "
-            "activations, or split the block into smaller modules", need_bytes=need, have_bytes=budget_bytes,
-            block=worst.name)
+        raise BlockTooLarge(
+            need, budget_bytes, worst.name,
+            f"block {worst.name!r} alone holds {parts}; raise the budget to at least {format_bytes(need)} plus room "
+            "for activations, or split the block into smaller modules")
 
     n = len(costs)
     if recompute is True:
@@ -241,9 +243,9 @@ def plan_offload(graph: Graph, budget_bytes: int, *, batch_windows: int = 1, tie
         hint = ("" if recompute == "auto" or all(rec) else
                 "; recompute='auto' (or True) trades compute for activation memory")
         raise BudgetExceeded(
-            f"one step of {batch_windows} windows needs {format_bytes(p.peak_bytes)} of compute memory at "
-            f"{p.where}, over the budget of {format_bytes(budget_bytes)}; lower the batch size or raise the "
-            f"budget{hint}", need_bytes=p.peak_bytes, have_bytes=budget_bytes)
+            p.peak_bytes, budget_bytes, p.where,
+            detail=f"one step of {batch_windows} windows (prefetch {depth}, {sum(rec)} of {n} blocks recomputed) "
+                   f"does not fit; lower the batch size or raise the budget{hint}")
 
     ptier = Tier(tier)
     return Plan(

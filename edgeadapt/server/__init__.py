@@ -4,7 +4,8 @@ See ``docs/server.md``. The planner is :func:`edgeadapt.sched.offload.plan_offlo
 package carries its plans out with torch.
 """
 
-from ..sched.offload import BudgetExceeded
+from ..sched.errors import BudgetExceeded
+from ..sched.offload import BlockTooLarge
 from .checkpoint import CheckpointMismatch
 from .executor import StreamingExecutor
 from .optim import OptimizerSpec
@@ -16,7 +17,7 @@ from .trainer import LOSSES, Trainer, resolve_device
 
 __all__ = [
     "Trainer", "OptimizerSpec", "LOSSES", "resolve_device", "TrainProgress",
-    "BudgetExceeded", "CheckpointMismatch", "OffloadDirError", "BlockError",
+    "BudgetExceeded", "BlockTooLarge", "CheckpointMismatch", "OffloadDirError", "BlockError",
     "StreamingExecutor", "MemoryLedger", "Residency", "HostStore", "DiskStore",
     "Block", "find_blocks", "trace_graph",
 ]

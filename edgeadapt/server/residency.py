@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 from enum import Enum
 
-from ..sched.offload import BudgetExceeded
+from ..sched.errors import BudgetExceeded
 from ..sched.plan import format_bytes
 
 __all__ = ["Residency", "MemoryLedger"]
@@ -57,10 +57,9 @@ class MemoryLedger:
             total = self.current_bytes + nbytes
             if self.budget_bytes is not None and total > self.budget_bytes:
                 raise BudgetExceeded(
-                    f"holding {format_bytes(nbytes)} for {key} would take the compute tier to "
-                    f"{format_bytes(total)}, over the budget of {format_bytes(self.budget_bytes)} (held now: "
-                    f"{self._summary()}); the batch is larger than the plan allows: lower it, raise the budget "
-                    "or enable recompute", need_bytes=total, have_bytes=self.budget_bytes)
+                    total, self.budget_bytes, f"holding {format_bytes(nbytes)} for {key}",
+                    detail=f"held now: {self._summary()}; the batch is larger than the plan allows: lower it, "
+                           "raise the budget or enable recompute")
             self._held[key] = self._held.get(key, 0) + nbytes
             self.current_bytes = total
             if total > self.peak_bytes:

@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 from ..sched.ir import Graph
-from ..sched.offload import BudgetExceeded, plan_offload
+from ..sched.errors import BudgetExceeded
+from ..sched.offload import plan_offload
 from ..sched.plan import Plan, format_bytes, parse_bytes
 from . import checkpoint as _ckpt
 from .executor import StreamingExecutor
@@ -173,9 +174,9 @@ class Trainer:
             need = self.buffer_bytes + sum(4 * p.numel() for p in params) * (1 + state_copies)
             if self.budget_bytes is not None and need > self.budget_bytes:
                 raise BudgetExceeded(
-                    f"in-memory training holds {format_bytes(need)} of weights, gradients and {self.spec.name} state, "
-                    f"over the budget of {format_bytes(self.budget_bytes)}; use offload='host' or 'disk'",
-                    need_bytes=need, have_bytes=self.budget_bytes)
+                    need, self.budget_bytes, "in-memory training",
+                    detail=f"weights, gradients and {self.spec.name} state alone take {format_bytes(need)}; "
+                           "use offload='host' or 'disk'")
             self.ledger.reserve("buffers", self.buffer_bytes)
             self.ledger.reserve("weights", sum(4 * p.numel() for p in params))
             self.ledger.reserve("optimizer", sum(4 * p.numel() for p in params) * len(self.spec.state_kinds))

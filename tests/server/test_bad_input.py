@@ -10,7 +10,7 @@ import torch
 from server_helpers import batches, make_mlp
 from torch import nn
 
-from edgeadapt.sched.offload import BudgetExceeded
+from edgeadapt.sched import BudgetExceeded
 from edgeadapt.server import BlockError, CheckpointMismatch, OffloadDirError, Trainer
 
 

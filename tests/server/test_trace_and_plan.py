@@ -10,7 +10,8 @@ from server_helpers import make_cnn, make_mlp
 from torch import nn
 
 from edgeadapt.sched import Graph, Op, Param, Plan
-from edgeadapt.sched.offload import BudgetExceeded, block_costs, offload_peak, plan_offload
+from edgeadapt.sched import BudgetExceeded
+from edgeadapt.sched.offload import BlockTooLarge, block_costs, offload_peak, plan_offload
 from edgeadapt.server import find_blocks, trace_graph
 
 
@@ -75,7 +76,7 @@ def test_auto_recompute_and_prefetch_give_way_in_that_order():
 
 def test_block_too_large_names_it_with_bytes_and_budget():
     g = _chain(3, 4096, 0, 4)
-    with pytest.raises(BudgetExceeded) as e:
+    with pytest.raises(BlockTooLarge) as e:
         plan_offload(g, 10_000, tier="disk")
     assert e.value.block == "b0" and e.value.have_bytes == 10_000
     # weights + grads + staged master, 2 moments and one temporary + the input window
