@@ -2,11 +2,13 @@
 
 The model (docs/cost_model.md has the derivation and the calibration):
 
-* **session** -- opening the training session: a fixed overhead plus, per trained byte, its
-  gradient buffer and optimizer state (AdamW: 2 moments; SGD: none);
+* **session** -- opening the training session: a fixed overhead, a fixed amount per op that
+  needs a gradient, and per trained byte its gradient buffer and optimizer state (AdamW: 2
+  moments; SGD: none);
 * **features** -- with ``cache_features``: the frozen prefix runs as inference over
   micro-batches while the cache of ``n_windows x`` (output bytes of the cut op) fills;
-* **rollback** -- at each epoch's start a copy of the trained values and their optimizer state;
+* **rollback** -- a copy of the trained values (and, if the executor keeps it, their optimizer
+  state) taken at each epoch's start;
 * **forward** / **backward** -- one micro-batch of the suffix: saved activations that are kept,
   recomputed segments when their backward runs, and the op's transient tensors;
 * **optimizer** -- the update, with an optional workspace per trained byte.
@@ -55,11 +57,18 @@ class CostModel:
         session_overhead_bytes: fixed cost of opening the training session.
         prefix_session_overhead_bytes: fixed cost of the prefix inference session (features phase).
         per_window_bytes: extra bytes per window of a micro-batch (input staging, loss buffers).
-        activation_factor: measured / modelled activation bytes (allocator rounding, copies).
+        grad_op_bytes: fixed bytes per op of the training graph that needs a gradient (the
+            runtime's per-node backward buffers, e.g. a convolution's column buffer), held from
+            the session's first backward on.
+        activation_factor: measured / modelled activation bytes of the training graph
+            (allocator rounding, copies).
+        inference_activation_factor: the same for the prefix run as inference (features phase),
+            whose session frees intermediate tensors more eagerly.
         gradient_factor: gradient buffer bytes per trained byte.
         adamw_state_factor: AdamW state bytes per trained byte (two moments).
         sgd_state_factor: SGD state bytes per trained byte.
-        rollback_factor: rollback copies of (trained values + optimizer state) kept per epoch.
+        rollback_factor: copies of the trained values kept for rollback.
+        rollback_state_factor: copies of the optimizer state kept for rollback.
         optimizer_workspace_factor: transient bytes per trained byte during the update.
         calibration: where the constants come from (date, versions, command); not compared.
     """
@@ -67,11 +76,14 @@ class CostModel:
     session_overhead_bytes: int = 0
     prefix_session_overhead_bytes: int = 0
     per_window_bytes: int = 0
+    grad_op_bytes: int = 0
     activation_factor: float = 1.0
+    inference_activation_factor: float = 1.0
     gradient_factor: float = 1.0
     adamw_state_factor: float = 2.0
     sgd_state_factor: float = 0.0
     rollback_factor: float = 1.0
+    rollback_state_factor: float = 0.0
     optimizer_workspace_factor: float = 0.0
     calibration: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
@@ -80,7 +92,7 @@ class CostModel:
             v = getattr(self, f.name)
             if f.name != "calibration" and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
                 raise ValueError(f"cost model: {f.name} must be a number >= 0, got {v!r}")
-        for f in ("session_overhead_bytes", "prefix_session_overhead_bytes", "per_window_bytes"):
+        for f in ("session_overhead_bytes", "prefix_session_overhead_bytes", "per_window_bytes", "grad_op_bytes"):
             if not isinstance(getattr(self, f), int):
                 raise ValueError(f"cost model: {f} must be an int")
 
@@ -96,15 +108,16 @@ class CostModel:
         return self.session_overhead_bytes + math.ceil(trained * (self.gradient_factor + self.state_factor(optimizer)))
 
     def rollback_bytes(self, trained: int, optimizer: str) -> int:
-        return math.ceil(trained * self.rollback_factor * (1.0 + self.state_factor(optimizer)))
+        return math.ceil(trained * (self.rollback_factor + self.rollback_state_factor * self.state_factor(optimizer)))
 
     def optimizer_bytes(self, trained: int) -> int:
         return math.ceil(trained * self.optimizer_workspace_factor)
 
-    def activation_bytes(self, micro_batch_windows: int, per_window_bytes: int) -> int:
-        """Bytes of ``per_window_bytes`` of activations over a micro-batch, with the overheads."""
-        return (math.ceil(self.activation_factor * micro_batch_windows * per_window_bytes)
-                + micro_batch_windows * self.per_window_bytes)
+    def activation_bytes(self, micro_batch_windows: int, per_window_bytes: int, inference: bool = False) -> int:
+        """Bytes of ``per_window_bytes`` of activations over a micro-batch, with the overheads
+        (``inference``: the prefix run as an inference model)."""
+        factor = self.inference_activation_factor if inference else self.activation_factor
+        return math.ceil(factor * micro_batch_windows * per_window_bytes) + micro_batch_windows * self.per_window_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -285,17 +298,17 @@ def predict(graph: Graph, plan: Plan, cost: CostModel | None = None) -> Peak:
     caching = plan.cache_features and plan.cut >= 0
     start = plan.cut + 1 if caching else 0
     m = plan.micro_batch_windows
-    session = cost.session_bytes(trained, plan.optimizer)
+    arr = activation_arrays(graph, trained_names, start)
+    session = cost.session_bytes(trained, plan.optimizer) + cost.grad_op_bytes * sum(arr.grad)
     cache = plan.n_windows * graph.ops[plan.cut].output_bytes if caching else 0
     rollback = cost.rollback_bytes(trained, plan.optimizer)
     held = session + cache + rollback
-    arr = activation_arrays(graph, trained_names, start)
     (fwd, fwd_op), (bwd, bwd_op) = _activation_peaks(graph, arr, set(plan.recomputed))
     phases: list[tuple[str, int, str]] = [("session", session, "session")]
     if caching:
         pre, pre_op = _prefix_peak(graph, plan.cut)
         phases.append(("features", session + cost.prefix_session_overhead_bytes + cache
-                       + cost.activation_bytes(m, pre), f"features:{pre_op}"))
+                       + cost.activation_bytes(m, pre, inference=True), f"features:{pre_op}"))
     phases.append(("rollback", held, "rollback"))
     phases.append(("forward", held + cost.activation_bytes(m, fwd), f"forward:{fwd_op}"))
     if bwd >= 0:

@@ -19,6 +19,7 @@ bisection over the limit on a feasibility DP) and the cheapest schedule at it;
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -99,37 +100,92 @@ def chain_flops(chain: Chain, recompute: tuple[bool, ...]) -> int:
     return sum(f for f, r in zip(chain.flops, recompute) if r)
 
 
-def _thresholds(chain: Chain, limit: int, b: int) -> tuple[int, "np.ndarray", "np.ndarray"]:
-    """For kept element ``b`` (``len(chain)``: the end) and every previous kept ``a`` (-1: none)
-    with ``a+1..b-1`` recomputed: the largest kept bytes after ``a`` that stay within ``limit``
-    and the run's FLOPs. Returns ``(a_lo, thresholds, run_flops)`` for ``a = a_lo..b-1``.
-
-    Thresholds only fall as the run grows, so the feasible ``a`` form a range ending at ``b-1``.
-    """
+@functools.lru_cache(maxsize=8)
+def _tables(chain: Chain) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per kept element ``b`` (``len(chain)``: the end), for every previous kept ``a`` (-1: none)
+    in ascending order with ``a+1..b-1`` recomputed: the largest per-window value the step
+    reaches beyond the kept bytes after ``a`` (negated, so ascending), and the run's FLOPs.
+    Independent of the limit, so bisections over the limit reuse them."""
     m = len(chain)
-    own = max(chain.fwd[b], chain.saved[b] + chain.bwd[b]) if b < m else max(chain.tail_fwd, chain.tail_bwd)
-    # Run q = a+1..b-1 (empty for a = b-1). Backward at q' in the run: S(a+1..q') + bwd[q'] =
-    # (P[q'+1] + bwd[q']) - P[a+1] with P the prefix sums of saved bytes.
-    saved = np.asarray(chain.saved[:b], dtype=np.int64)
-    prefix = np.concatenate([[0], np.cumsum(saved)])
-    fwd = np.asarray(chain.fwd[:b], dtype=np.int64)
-    bwd_abs = np.asarray(chain.bwd[:b], dtype=np.int64) + prefix[1:]
-    # For a = b-1 .. -1, the run's max over q in a+1..b-1: reverse cumulative maxima.
-    run_fwd = np.concatenate([[0], np.maximum.accumulate(fwd[::-1])])  # index r = run length
-    run_bwd = np.concatenate([[np.iinfo(np.int64).min // 2], np.maximum.accumulate(bwd_abs[::-1])])
-    lengths = np.arange(b + 1)
-    a_vals = b - 1 - lengths
-    worst = np.maximum(np.maximum(own, run_fwd), run_bwd - prefix[a_vals + 1])
-    thresholds = limit - worst
-    ok = np.nonzero(thresholds < 0)[0]
-    n_ok = int(ok[0]) if ok.size else b + 1
-    fl = np.concatenate([[0], np.cumsum(np.asarray(chain.flops[:b], dtype=np.int64)[::-1])])
-    a_lo = b - n_ok
-    # Reorder from a = a_lo .. b-1 (ascending).
-    return a_lo, thresholds[:n_ok][::-1], fl[:n_ok][::-1]
+    neg_worst, flops = [], []
+    for b in range(m + 1):
+        own = max(chain.fwd[b], chain.saved[b] + chain.bwd[b]) if b < m else max(chain.tail_fwd, chain.tail_bwd)
+        # Run q = a+1..b-1. Backward at q' in the run: S(a+1..q') + bwd[q'] = (P[q'+1] + bwd[q']) - P[a+1]
+        # with P the prefix sums of saved bytes; maxima over the run by reverse cumulative maxima.
+        saved = np.asarray(chain.saved[:b], dtype=np.int64)
+        prefix = np.concatenate([[0], np.cumsum(saved)])
+        run_fwd = np.concatenate([[0], np.maximum.accumulate(np.asarray(chain.fwd[:b], dtype=np.int64)[::-1])])
+        bwd_abs = np.asarray(chain.bwd[:b], dtype=np.int64) + prefix[1:]
+        run_bwd = np.concatenate([[np.iinfo(np.int64).min // 4], np.maximum.accumulate(bwd_abs[::-1])])
+        a_vals = b - 1 - np.arange(b + 1)  # run length r -> a = b-1-r
+        worst = np.maximum(np.maximum(own, run_fwd), run_bwd - prefix[a_vals + 1])
+        fl = np.concatenate([[0], np.cumsum(np.asarray(chain.flops[:b], dtype=np.int64)[::-1])])
+        neg_worst.append(-worst[::-1])  # a ascending: worst falls, -worst rises
+        flops.append(fl[::-1])
+    return neg_worst, flops
 
 
-def min_flops_schedule(chain: Chain, limit: int, max_front: int | None = 64) -> tuple[bool, ...] | None:
+def _thresholds(chain: Chain, limit: int, b: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """For kept element ``b`` and every previous kept ``a``: the largest kept bytes after ``a``
+    that stay within ``limit``, and the run's FLOPs. Returns ``(a_lo, thresholds, run_flops)``
+    for ``a = a_lo..b-1``; thresholds only fall as the run grows, so the feasible ``a`` form a
+    range ending at ``b-1``."""
+    neg_worst, flops = _tables(chain)
+    nw = neg_worst[b]
+    first = int(np.searchsorted(nw, -limit, side="left"))  # entries with worst > limit come first
+    return first - 1, limit + nw[first:], flops[b][first:]
+
+
+def _bucketed_min_flops(chain: Chain, limit: int, buckets: int) -> tuple[bool, ...] | None:
+    """:func:`min_flops_schedule` on dense arrays: per kept element and per range of kept bytes
+    (``buckets`` equal ranges up to ``limit``), the least-FLOPs point. Every answer fits
+    ``limit`` exactly; merging points of one range can lose optimality, or (rarely, at limits
+    near the least feasible peak) every feasible point, in which case it returns ``None``."""
+    m = len(chain)
+    q = max(1, -(-(limit + 1) // buckets))
+    nb = limit // q + 1
+    inf = np.iinfo(np.int64).max // 4
+    cost = np.full((m + 2, nb), inf, dtype=np.int64)
+    kval = np.full((m + 2, nb), inf, dtype=np.int64)
+    back = np.full((m + 2, nb, 2), -1, dtype=np.int64)
+    cost[0, 0] = kval[0, 0] = 0
+    cols = np.arange(nb)
+    for b in range(m + 1):
+        add = chain.saved[b] if b < m else 0
+        a_lo, thresholds, run_flops = _thresholds(chain, limit, b)
+        if a_lo >= b:
+            continue
+        block_c = cost[a_lo + 1:b + 1] + run_flops[:, None]
+        block_k = kval[a_lo + 1:b + 1]
+        block_c = np.where(block_k <= thresholds[:, None], block_c, inf)
+        best = np.argmin(block_c, axis=0)
+        c = block_c[best, cols]
+        k = block_k[best, cols] + add
+        ok = (c < inf) & (k <= limit)
+        if not ok.any():
+            continue
+        c, k, src_row, src_col = c[ok], k[ok], best[ok] + a_lo + 1, cols[ok]
+        bucket = k // q
+        order = np.lexsort((k, c, bucket))
+        first = order[np.unique(bucket[order], return_index=True)[1]]
+        tb = bucket[first]
+        cost[b + 1, tb], kval[b + 1, tb] = c[first], k[first]
+        back[b + 1, tb, 0], back[b + 1, tb, 1] = src_row[first], src_col[first]
+    end = cost[m + 1]
+    if end.min() >= inf:
+        return None
+    pos = int(np.argmin(end))
+    recompute = [True] * m
+    r = m + 1
+    while r > 0:
+        if r - 1 < m:
+            recompute[r - 1] = False
+        r, pos = int(back[r, pos, 0]), int(back[r, pos, 1])
+    return tuple(recompute)
+
+
+def min_flops_schedule(chain: Chain, limit: int, max_front: int | None = 64,
+                       buckets: int | None = 256) -> tuple[bool, ...] | None:
     """The keep/recompute choice of least recompute FLOPs with ``chain_peak <= limit``.
 
     Args:
@@ -139,11 +195,18 @@ def min_flops_schedule(chain: Chain, limit: int, max_front: int | None = 64) -> 
             longer it is thinned to the least-FLOPs point of each of ``max_front`` equal ranges of
             kept bytes; every schedule returned still fits ``limit`` exactly, only optimality can
             suffer (never on fronts within the cap).
+        buckets: chains longer than ``buckets / 4`` elements are first solved on dense arrays
+            with this many ranges of kept bytes (fast; optimal up to the merging of points
+            within a range); the Pareto DP runs only when that finds nothing. ``None``: never.
 
     Returns:
         ``recompute`` flags per element, or ``None`` when no choice fits ``limit``.
     """
     m = len(chain)
+    if buckets is not None and max_front is not None and m * 4 > buckets:
+        fast = _bucketed_min_flops(chain, limit, buckets)
+        if fast is not None:
+            return fast
     big = np.iinfo(np.int64).max // 4
     # Front of kept element a (row a+1; row 0 = the start), padded to a common width: kept bytes K
     # (ascending; ``big`` pads), FLOPs (strictly falling), back-pointer (row, column).
@@ -224,7 +287,7 @@ def min_peak_schedule(chain: Chain, max_front: int | None = 64) -> tuple[int, tu
             hi = mid
         else:
             lo = mid + 1
-    schedule = min_flops_schedule(chain, lo, max_front)
+    schedule = min_flops_schedule(chain, lo, max_front, None)
     assert schedule is not None  # lo is feasible by construction
     return lo, schedule
 

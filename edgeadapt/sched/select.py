@@ -93,6 +93,7 @@ class SelectionProblem:
             optimizer workspace where it exceeds activations is covered by ``opt_factor``).
         opt_factor: bytes per trained byte in the optimizer phase.
         session_factor: bytes per trained byte in the features phase (gradient and state).
+        opt_fixed: per configuration, the fixed bytes of the optimizer phase.
         micro_batch_windows: the micro-batch size the constants are for.
     """
 
@@ -163,9 +164,10 @@ def build_problem(graph: Graph, units: tuple[Unit, ...], cost: CostModel, *, mic
     m = micro_batch_windows
     state = cost.state_factor(optimizer)
     session_factor = cost.gradient_factor + state
-    roll = cost.rollback_factor * (1.0 + state)
+    roll = cost.rollback_factor + cost.rollback_state_factor * state
     live = live_bytes(graph)
     configs: list[Config] = []
+    opt_fixed: list[int] = []
     chain_cache = {} if _chain_cache is None else _chain_cache
     for k in sorted({u.op_index for u in units}):
         later = {p for op in graph.ops[k:] for p in op.params}
@@ -177,24 +179,25 @@ def build_problem(graph: Graph, units: tuple[Unit, ...], cost: CostModel, *, mic
             start = cut + 1 if cache else 0
             key = (k, start)
             if key not in chain_cache:
-                chain = chain_from_graph(graph, activation_arrays(graph, later, start))
+                arr = activation_arrays(graph, later, start)
+                chain = chain_from_graph(graph, arr)
                 keep = chain_peak(chain, (False,) * len(chain))
                 low = min_peak_schedule(chain)[0] if allow_remat and len(chain) else keep
-                chain_cache[key] = (keep, low)
-            keep, low = chain_cache[key]
+                chain_cache[key] = (keep, low, sum(arr.grad))
+            keep, low, n_grad = chain_cache[key]
+            session_fixed = cost.session_overhead_bytes + cost.grad_op_bytes * n_grad
             cache_bytes = n_windows * graph.ops[cut].output_bytes if cache else 0
-            features = (cost.session_overhead_bytes + cost.prefix_session_overhead_bytes + cache_bytes
-                        + cost.activation_bytes(m, max(live[: cut + 1]))) if cache else 0
+            features = (session_fixed + cost.prefix_session_overhead_bytes + cache_bytes
+                        + cost.activation_bytes(m, max(live[: cut + 1]), inference=True)) if cache else 0
             for remat, act in ((False, keep), (True, low)):
                 if remat and (not allow_remat or low >= keep):
                     continue
-                configs.append(Config(k, cut, cache, remat, cost.session_overhead_bytes + cache_bytes
+                configs.append(Config(k, cut, cache, remat, session_fixed + cache_bytes
                                       + cost.activation_bytes(m, act), features,
                                       (0.0 if cache else 1.0) + (2.0 if remat else 0.0)))
-    opt_fixed = tuple(cost.session_overhead_bytes + (n_windows * graph.ops[c.cut].output_bytes if c.cache_features
-                                                     else 0) for c in configs)
+                opt_fixed.append(session_fixed + cache_bytes)
     return SelectionProblem(tuple(units), tuple(configs), session_factor + roll,
-                            session_factor + roll + cost.optimizer_workspace_factor, session_factor, opt_fixed, m)
+                            session_factor + roll + cost.optimizer_workspace_factor, session_factor, tuple(opt_fixed), m)
 
 
 def selection_peak(problem: SelectionProblem, chosen: tuple[int, ...], config: int) -> float:

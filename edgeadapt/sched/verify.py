@@ -88,7 +88,8 @@ class _Sim:
 
     def record(self, phase: str, where: str) -> None:
         acts = sum(self.act.values())
-        total = sum(self.fixed.values()) + (self.cost.activation_bytes(self.micro, acts) if self.act else 0)
+        total = sum(self.fixed.values()) + (self.cost.activation_bytes(self.micro, acts, inference=phase == "features")
+                                            if self.act else 0)
         self.events.append(TimelineEvent(phase, where, total))
 
 
@@ -107,6 +108,10 @@ def timeline(graph: Graph, plan: Plan, cost: CostModel | None = None) -> list[Ti
     start = plan.cut + 1 if caching else 0
     trained = _trained_bytes(graph, plan)
     sim = _Sim(cost, plan.micro_batch_windows)
+    grad = [False] * n
+    for i, op in enumerate(ops):
+        if i >= start:
+            grad[i] = bool(set(op.params) & trained_names) or any(grad[index[s]] for s in op.inputs)
 
     # Last reader of every tensor ("input" is the model input); unread outputs live to the loss.
     last_read: dict[str, int] = {op.name: n - 1 for op in ops}
@@ -132,7 +137,9 @@ def timeline(graph: Graph, plan: Plan, cost: CostModel | None = None) -> list[Ti
             if on_done is not None:
                 on_done(j)
 
+
     sim.fixed["session"] = cost.session_bytes(trained, plan.optimizer)
+    sim.fixed["grad_op_buffers"] = cost.grad_op_bytes * grad.count(True)
     sim.record("session", "session")
     if caching:
         sim.fixed["prefix_session"] = cost.prefix_session_overhead_bytes
@@ -143,10 +150,6 @@ def timeline(graph: Graph, plan: Plan, cost: CostModel | None = None) -> list[Ti
     sim.fixed["rollback"] = cost.rollback_bytes(trained, plan.optimizer)
     sim.record("rollback", "rollback")
 
-    grad = [False] * n
-    for i, op in enumerate(ops):
-        if i >= start:
-            grad[i] = bool(set(op.params) & trained_names) or any(grad[index[s]] for s in op.inputs)
     cands = [i for i in range(n) if grad[i] and ops[i].saved_bytes > 0]
     recompute = set(plan.recomputed)
     owner = {}  # op index -> candidate whose chunk holds it (None: tail)

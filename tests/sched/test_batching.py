@@ -12,7 +12,7 @@ from edgeadapt.sched import (CostModel, NoFeasiblePlan, Plan, UpdatePolicy, mini
 from edgeadapt.sched.batching import micro_batch_sizes
 from edgeadapt.sched.resolve import cut_of
 
-COST = CostModel(session_overhead_bytes=64, per_window_bytes=4)
+COST = CostModel(session_overhead_bytes=64, per_window_bytes=4, grad_op_bytes=16)
 
 
 def test_micro_batch_sizes():

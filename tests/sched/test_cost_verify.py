@@ -10,8 +10,9 @@ from sched_testgraphs import random_graph, random_plan
 from edgeadapt.sched import BudgetExceeded, CostModel, Graph, Op, Param, ParamPlan, Plan, predict, verify
 from edgeadapt.sched.cost import PHASES
 
-COST = CostModel(session_overhead_bytes=100, prefix_session_overhead_bytes=7, per_window_bytes=3,
-                 activation_factor=1.3, optimizer_workspace_factor=0.5)
+COST = CostModel(session_overhead_bytes=100, prefix_session_overhead_bytes=7, per_window_bytes=3, grad_op_bytes=11,
+                 activation_factor=1.3, inference_activation_factor=0.7, rollback_state_factor=1.0,
+                 optimizer_workspace_factor=0.5)
 
 
 @pytest.mark.parametrize("cost", [CostModel(), COST], ids=["plain", "overheads"])
@@ -36,7 +37,7 @@ def test_hand_computed_peak():
                 micro_batch_windows=2, n_windows=8, optimizer="adamw")
     peak = predict(g, plan, CostModel())
     trained = 24
-    held = trained * 3 + trained * 3  # gradient + 2 AdamW moments; rollback copy of values + moments
+    held = trained * 3 + trained  # gradient + 2 AdamW moments; rollback copy of the values
     # Forward at c: kept saved of b (20) + c's input (30) + c's output (5), x2 windows.
     # Backward at c: kept b (20) + c's saved (30) + c's output grad (5) + b's output grad (30) = 85.
     assert peak.phases_bytes["backward"] == held + 2 * 85

@@ -15,7 +15,7 @@ from edgeadapt.sched.select import (build_problem, candidate_units, select_brute
 from edgeadapt.sched.cost import activation_arrays, predict
 from edgeadapt.sched.plan import Plan, ParamPlan, Action
 
-COST = CostModel(session_overhead_bytes=50, per_window_bytes=2)
+COST = CostModel(session_overhead_bytes=50, per_window_bytes=2, grad_op_bytes=8)
 
 
 def _problem(rng, n_ops=6, m=2):

@@ -1,0 +1,218 @@
+"""Measure the constants of the scheduler's device cost model and write them down.
+
+For a set of hand-written plans on a reference model (update policy x micro-batch x feature
+caching), this script exports a bundle (``export_bundle``; the manifest carries the plan and the
+sched graph), then runs one ``Runner.adapt`` call per bundle in a **fresh, torch-blocked
+process** (``--worker``) and reads the call's measured peak over the loaded runner
+(``AdaptResult.call_peak_bytes``: VmHWM delta; ``call_peak_anon_bytes``: sampled RssAnon).
+
+The prediction with zero overheads splits each plan's peak into what the cost model takes as
+exact (gradient buffers, optimizer state, the rollback copy of the trained values, the feature
+cache: ``held``) and the activation part of the peaking phase: one micro-batch's training
+activations ``train``, or the prefix's inference activations ``inf`` when the features phase
+peaks. A least-squares fit of
+
+    measured - held = session_overhead_bytes + grad_op_bytes * (ops needing a gradient)
+                      + activation_factor * train + inference_activation_factor * inf
+
+over the plans (non-negative least squares, ``scipy.optimize.nnls``; iterated, since which
+phase peaks depends on the factors) gives the constants; by default the fixed overhead is then
+raised until no plan's measured peak exceeds its prediction (a budget must hold),
+separately for the total and the anonymous figure.
+The constants of the chosen figure (``--fit``, default ``anon``: library code paged in on first
+use is file-backed and depends on the page cache, not on the plan) are written with the date,
+the versions, the command and the per-plan residuals to ``--out`` (default: the packaged
+``edgeadapt/sched/cost_model.json``), atomically.
+
+Usage::
+
+    .venv/bin/python benchmarks/calibrate_cost.py                 # CNN, 8 x 256, batch 30
+    .venv/bin/python benchmarks/calibrate_cost.py --out /tmp/c.json --fit total
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+from scipy.optimize import nnls
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+log = logging.getLogger("calibrate_cost")
+
+# (policy, micro_batch_windows, cache_features)
+PLANS = (
+    ("last-layer", 30, False), ("last-layer", 30, True), ("last-layer", 10, True), ("last-layer", 2, True),
+    ("bias-norm", 30, False), ("bias-norm", 6, False), ("bias-norm", 2, False),
+    ("full", 30, False), ("full", 5, False), ("full", 2, False),
+)
+
+WORKER = r"""
+import json, sys
+from edgeadapt.harness.isolation import forbid_torch
+forbid_torch()
+import numpy as np
+from edgeadapt.runtime import Runner
+bundle, batch, micro, n, threads, seed = sys.argv[1], *map(int, sys.argv[2:7])
+runner = Runner.load(bundle, device="cpu", threads=threads)
+spec = runner.manifest.input.shape
+rng = np.random.default_rng(seed)
+X = rng.standard_normal((n, *spec[1:])).astype(np.float32)
+y = rng.integers(0, runner.manifest.label["n_classes"], n).astype(np.int64)
+# No warm-up call: ONNX Runtime's arenas would keep its memory and hide the call's own peak.
+r = runner.adapt(X, y, epochs=1, batch_size=batch, micro_batch=micro, progress=False, shuffle=False)
+print(json.dumps({"call_peak_bytes": r.call_peak_bytes, "call_peak_anon_bytes": r.call_peak_anon_bytes,
+                  "step_peak_bytes": r.step_peak_bytes, "step_peak_anon_bytes": r.step_peak_anon_bytes}))
+"""
+
+
+def _export(args, policy: str, micro: int, cache: bool, directory: Path):
+    import torch
+
+    from edgeadapt.export import UpdatePolicy, export_bundle
+    from edgeadapt.models import build_model
+
+    torch.manual_seed(args.seed)
+    model = build_model(args.model, args.channels, args.classes, args.time_steps)
+    example = torch.randn(args.batch, args.channels, args.time_steps, generator=torch.Generator().manual_seed(1))
+    out = directory / f"{policy}-{micro}-{int(cache)}"
+    manifest = export_bundle(model, example, out, policy=UpdatePolicy.parse(policy), n_windows=args.n_windows,
+                             batch_windows=args.batch, cache_features=cache)
+    return out, manifest
+
+
+def _measure(bundle: Path, args, micro: int) -> dict:
+    cmd = [sys.executable, "-c", WORKER, str(bundle), str(args.batch), str(micro), str(args.n_windows),
+           str(args.threads), str(args.seed)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads)}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    if out.returncode != 0:
+        raise RuntimeError(f"worker failed for {bundle.name}:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _split(graph, plan, cost):
+    """(held, training activations, inference activations) of the prediction under ``cost``
+    with zero overheads and unit activation factors, at the larger of the features and the
+    training peaks (rescaled by ``cost``'s factors to choose which one peaks)."""
+    from dataclasses import replace
+
+    from edgeadapt.sched import predict
+    from edgeadapt.sched.cost import activation_arrays
+
+    unit = replace(cost, session_overhead_bytes=0, grad_op_bytes=0, activation_factor=1.0,
+                   inference_activation_factor=1.0)
+    phases = predict(graph, plan, unit).phases_bytes
+    held = phases["rollback"]
+    train = max(phases["forward"], phases.get("backward", 0)) - held
+    options = [(held + cost.activation_factor * train, held, train, 0)]
+    if "features" in phases:
+        f_held = phases["session"] + plan.n_windows * graph.ops[plan.cut].output_bytes
+        inf = phases["features"] - f_held
+        options.append((f_held + cost.inference_activation_factor * inf, f_held, 0, inf))
+    _, held, train, inf = max(options)
+    start = plan.cut + 1 if plan.cache_features and plan.cut >= 0 else 0
+    n_grad = sum(activation_arrays(graph, {p.name for p in plan.trained}, start).grad)
+    return held, train, inf, n_grad
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="cnn")
+    p.add_argument("--channels", type=int, default=8)
+    p.add_argument("--time-steps", type=int, default=256)
+    p.add_argument("--classes", type=int, default=5)
+    p.add_argument("--batch", type=int, default=30)
+    p.add_argument("--n-windows", type=int, default=30)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1, help="fresh processes per plan (median)")
+    p.add_argument("--fit", choices=("anon", "total"), default="anon")
+    p.add_argument("--no-conservative", dest="conservative", action="store_false",
+                   help="keep the least-squares overhead (default: raise it so that no plan is under-predicted)")
+    p.add_argument("--out", type=Path, default=ROOT / "edgeadapt" / "sched" / "cost_model.json")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    from importlib import metadata
+
+    from edgeadapt.atomic import atomic_write_json
+    from edgeadapt.sched import CostModel, Graph, Plan, predict
+
+    def package_versions():
+        out = {}
+        for pkg in ("edgeadapt", "numpy", "scipy", "torch", "onnx", "onnxruntime-training-cpu", "onnxruntime-training"):
+            try:
+                out[pkg] = metadata.version(pkg)
+            except metadata.PackageNotFoundError:
+                pass
+        return out
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="edgeadapt-calibrate-") as tmp:
+        for policy, micro, cache in PLANS:
+            micro = min(micro, args.batch)
+            bundle, manifest = _export(args, policy, micro, cache, Path(tmp))
+            graph = Graph.from_dict(manifest.graph)
+            plan_dict = {k: v for k, v in manifest.plan.items() if k != "predicted_peak_bytes"}
+            plan = Plan.from_dict({**plan_dict, "micro_batch_windows": micro, "predicted": None})
+            runs = [_measure(bundle, args, micro) for _ in range(args.repeats)]
+            total = int(np.median([r["call_peak_bytes"] for r in runs]))
+            anon = int(np.median([r["call_peak_anon_bytes"] for r in runs]))
+            rows.append({"policy": policy, "micro_batch_windows": micro, "cache_features": plan.cache_features,
+                         "graph": graph, "plan": plan, "call_peak_bytes": total, "call_peak_anon_bytes": anon})
+            log.info("%-10s micro %2d cache %d: measured total %9d anon %9d", policy, micro, plan.cache_features,
+                     total, anon)
+
+    fits = {}
+    for figure, key in (("total", "call_peak_bytes"), ("anon", "call_peak_anon_bytes")):
+        cost = CostModel(rollback_factor=1.0, rollback_state_factor=0.0)
+        for _ in range(5):  # which phase peaks depends on the factors: iterate to a fixed point
+            split = [_split(r["graph"], r["plan"], cost) for r in rows]
+            a = np.array([[t, i, g, 1.0] for _, t, i, g in split], dtype=np.float64)
+            y = np.array([r[key] - s[0] for r, s in zip(rows, split)], dtype=np.float64)
+            (f_train, f_inf, per_op, overhead), _ = nnls(a, y)
+            cost = CostModel(session_overhead_bytes=int(round(overhead)), grad_op_bytes=int(round(per_op)),
+                             activation_factor=round(max(float(f_train), 0.05), 4),
+                             inference_activation_factor=round(max(float(f_inf), 0.05), 4))
+        if args.conservative:  # a budget must hold: raise the fixed overhead until nothing is under-predicted
+            short = max(r[key] - predict(r["graph"], r["plan"], cost).peak_bytes for r in rows)
+            if short > 0:
+                cost = replace(cost, session_overhead_bytes=cost.session_overhead_bytes + int(short))
+        errs = [round(predict(r["graph"], r["plan"], cost).peak_bytes / r[key] - 1.0, 3) for r in rows]
+        fits[figure] = {"session_overhead_bytes": cost.session_overhead_bytes, "grad_op_bytes": cost.grad_op_bytes,
+                        "activation_factor": cost.activation_factor,
+                        "inference_activation_factor": cost.inference_activation_factor,
+                        "relative_errors": errs}
+        log.info("fit %-5s: %s", figure, fits[figure])
+
+    chosen = fits[args.fit]
+    cost = CostModel(session_overhead_bytes=chosen["session_overhead_bytes"], grad_op_bytes=chosen["grad_op_bytes"],
+                     activation_factor=chosen["activation_factor"],
+                     inference_activation_factor=chosen["inference_activation_factor"],
+                     calibration={
+                         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                         "command": " ".join(["benchmarks/calibrate_cost.py", *(argv or sys.argv[1:])]),
+                         "figure": args.fit, "conservative": args.conservative, "model": f"{args.model} {args.channels}x{args.time_steps}",
+                         "batch_windows": args.batch, "n_windows": args.n_windows, "threads": args.threads,
+                         "versions": package_versions(), "fits": fits,
+                         "plans": [{k: v for k, v in r.items() if k not in ("graph", "plan")} for r in rows],
+                     })
+    atomic_write_json(args.out, cost.to_dict())
+    log.info("wrote %s", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
