@@ -1,0 +1,115 @@
+"""The export self-check sees small wrong gradients and wrong optimizer steps.
+
+Each case injects one defect into an otherwise correct export of a reference model and expects
+:class:`SelfCheckError` naming what differs: ONNX Runtime's real grouped-conv defect (the
+``graph.py`` workaround removed), an all-zero gradient, and an optimizer step with a learning rate
+0.1% off. Tolerances are in ``export/selfcheck.py``'s docstring, with the noise they were
+chosen from.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from torch import nn
+
+from edgeadapt.export import UpdatePolicy, export_bundle
+from edgeadapt.export import graph as graph_module
+from edgeadapt.export.selfcheck import GRAD_ATOL, SelfCheckError, compare_gradients
+from edgeadapt.models import build_model
+from edgeadapt.runtime.backend import OrtTrainingBackend
+
+LENGTH = 64
+
+
+def reference_model(name: str) -> nn.Module:
+    """A seeded reference model with distinct norm parameters and running statistics, as if trained."""
+    torch.manual_seed(0)
+    model = build_model(name, 8, 5, LENGTH)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, (nn.BatchNorm1d, nn.LayerNorm)):
+                n = m.weight.numel()
+                m.weight.copy_(0.5 + torch.rand(n, generator=gen))
+                m.bias.copy_(torch.rand(n, generator=gen) - 0.5)
+            if isinstance(m, nn.BatchNorm1d):
+                m.running_mean.copy_(torch.rand(n, generator=gen) - 0.5)
+                m.running_var.copy_(0.5 + torch.rand(n, generator=gen))
+    return model.eval()
+
+
+EXAMPLE = torch.randn(2, 8, LENGTH, generator=torch.Generator().manual_seed(0))
+
+
+def test_mobilenet_exports_with_the_workaround(tmp_path):
+    """The baseline for the cases below: the unmodified export passes its own check."""
+    export_bundle(reference_model("mobilenet"), EXAMPLE, tmp_path / "b", policy=UpdatePolicy.full())
+    assert (tmp_path / "b" / "manifest.json").is_file()
+
+
+def test_removing_the_grouped_conv_workaround_is_caught_on_mobilenet(tmp_path, monkeypatch):
+    """Without the private gradient buffer (a Mul by ones after each grouped conv), ONNX Runtime
+    1.19.2 computes wrong gradients for MobileNet's depthwise convs; the check must refuse it."""
+    fit = graph_module._fit_for_ort_gradients
+    removed = []
+
+    def without_private_buffers(model: onnx.ModelProto) -> None:
+        fit(model)  # the other rewrites stay; only the grouped-conv one is undone
+        muls = [n for n in model.graph.node if n.op_type == "Mul" and n.name.endswith("_private_grad")]
+        ones = set()
+        for mul in muls:
+            raw, one = mul.input
+            producer = next(n for n in model.graph.node if raw in n.output)
+            producer.output[list(producer.output).index(raw)] = mul.output[0]
+            model.graph.node.remove(mul)
+            ones.add(one)
+        kept = [i for i in model.graph.initializer if i.name not in ones]
+        del model.graph.initializer[:]
+        model.graph.initializer.extend(kept)
+        removed.append(len(muls))
+
+    monkeypatch.setattr(graph_module, "_fit_for_ort_gradients", without_private_buffers)
+    with pytest.raises(SelfCheckError, match=r"gradient of [\w.]+ \(batch \d\): error") as caught:
+        export_bundle(reference_model("mobilenet"), EXAMPLE, tmp_path / "b", policy=UpdatePolicy.full())
+    assert removed and removed[0] > 0, "the patch removed no grouped-conv workaround: the test proves nothing"
+    assert not (tmp_path / "b").exists()
+    assert "cosine" in str(caught.value)
+
+
+@pytest.mark.parametrize("name", ["cnn", "mobilenet", "transformer"])
+def test_an_all_zero_gradient_fails_for_every_tensor_with_a_nonzero_torch_gradient(name):
+    """Per tensor: replace ONNX Runtime's gradient by zeros; the comparison must flag exactly that
+    tensor, for every tensor whose torch gradient is above the numerical-zero level."""
+    model = reference_model(name)
+    out = model(EXAMPLE)
+    torch.nn.functional.cross_entropy(out, torch.arange(len(EXAMPLE)) % 5).backward()
+    want = {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
+    scale = max(float(np.linalg.norm(g)) for g in want.values())
+    nonzero = [n for n, g in want.items() if float(np.linalg.norm(g)) > GRAD_ATOL * scale]
+    if name != "transformer":  # the transformer's key biases have an exactly-zero gradient
+        assert len(nonzero) == len(want)
+    assert all(d.passed for d in compare_gradients(dict(want), want))
+    for n in nonzero:
+        got = dict(want)
+        got[n] = np.zeros_like(want[n])
+        failed = [d.what for d in compare_gradients(got, want) if not d.passed]
+        assert failed == [f"gradient of {n}"], n
+
+
+def test_an_all_zero_gradient_is_caught_end_to_end(tmp_path, monkeypatch):
+    monkeypatch.setattr(OrtTrainingBackend, "get_gradient", lambda self, name: np.zeros_like(self.get_tensor(name)))
+    with pytest.raises(SelfCheckError, match=r"(\d+) of \d+ checks fail") as caught:
+        export_bundle(reference_model("cnn"), EXAMPLE, tmp_path / "b", policy=UpdatePolicy.full())
+    assert "gradient of" in str(caught.value)
+    assert not (tmp_path / "b").exists()
+
+
+def test_a_slightly_wrong_optimizer_step_is_caught(tmp_path, monkeypatch):
+    """ONNX Runtime's optimizer run with a learning rate 0.1% off the exported one."""
+    apply = OrtTrainingBackend.apply_update
+    monkeypatch.setattr(OrtTrainingBackend, "apply_update", lambda self, lr: apply(self, lr * 1.001))
+    with pytest.raises(SelfCheckError, match=r"optimizer step of [\w.]+ \(batch \d\)"):
+        export_bundle(reference_model("cnn"), EXAMPLE, tmp_path / "b", policy=UpdatePolicy.last_layer())
