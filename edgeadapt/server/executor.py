@@ -337,6 +337,12 @@ class StreamingExecutor:
                                "block once per step, so a block may be called only once per forward")
         self._ran.add(slot.index)
         tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        hidden = [t for i, a in enumerate(args) if i not in tensor_pos for t in _nested_tensors(a)]
+        hidden += [t for v in kwargs.values() for t in _nested_tensors(v)]
+        if any(t.requires_grad for t in hidden):
+            raise TypeError(f"block {slot.name!r} is called with a tensor that needs a gradient inside a keyword "
+                            "argument or a container; the streaming trainer passes gradients through positional "
+                            "tensor arguments only, so pass it positionally")
         runner = _Call(self, slot, args, kwargs, tensor_pos)
         # the anchor requires grad so that the block's backward runs even when no input needs a
         # gradient (the first block): the block's parameters are not inputs of the Function
@@ -520,6 +526,16 @@ class _Call:
         del pgrads
         it = iter(igrads)
         return tuple(next(it) if need and x.requires_grad else None for x, need in zip(xs, need_in))
+
+
+def _nested_tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _nested_tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _nested_tensors(v)]
+    return []
 
 
 def _as_tuple(out) -> tuple[torch.Tensor, ...]:

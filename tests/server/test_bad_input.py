@@ -147,3 +147,28 @@ def test_non_finite_loss_applies_no_update(adamw):
     after = t.model().state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert set(t.residency()["blocks"].values()) == {"offloaded"}
+
+
+def test_a_gradient_hidden_in_a_keyword_argument_is_refused():
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+
+        def forward(self, x, *, scale):
+            return self.fc(x) * scale
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(3, 3)
+            self.gate = Gate()
+
+        def forward(self, x):
+            h = self.a(x)
+            return self.gate(h, scale=h)
+
+    x, y = torch.randn(4, 3), torch.randint(0, 3, (4,))
+    t = Trainer(Model(), offload="host", device="cpu", example_input=x)
+    with pytest.raises(TypeError, match="positionally"):
+        t.step(x, y)

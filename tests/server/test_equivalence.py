@@ -69,3 +69,47 @@ def test_disk_updates_in_small_chunks_change_no_bit(adamw, tmp_path):
     got, want = t.model().state_dict(), ref.state_dict()
     assert all(torch.equal(got[k], want[k]) for k in want)
     t.close()
+
+
+class _Mix(torch.nn.Module):
+    """A block with two positional tensor inputs and a tuple output."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, x, mask):
+        return torch.tanh(self.fc(x)) * mask, x
+
+
+class _TokenModel(torch.nn.Module):
+    """Integer tokens -> embedding block -> two-input block -> head (mean over positions)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(20, 16)
+        self.mix = _Mix()
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        mask = (tokens > 3).float().unsqueeze(-1)
+        a, skip = self.mix(h, mask)
+        return self.head(a + skip).mean(dim=1)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_integer_inputs_several_block_inputs_and_tuple_outputs(recompute, adamw):
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randint(0, 20, (4, 7), generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(3)]
+
+    def make():
+        torch.manual_seed(0)
+        return _TokenModel()
+
+    ref = reference_train(make(), data)
+    t = Trainer(make(), optimizer=adamw, offload="host", device="cpu", recompute=recompute)
+    for x, y in data:
+        t.step(x, y)
+    got, want = t.model().state_dict(), ref.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
