@@ -1,19 +1,24 @@
 """Memory and speed of one adaptation step: the torch-free runner vs torch eager, side by side.
 
 What it measures, all in one invocation on the same reference CNN (``build_model("cnn")``,
-8 input channels x 1024 time steps, 6 classes, ~103k parameters; the input shape of
-ORT_NOTES' measurements, whose CNN had 209k parameters), batch 32, cross-entropy, AdamW (lr 1e-3, weight decay 0.01), N CPU threads:
+8 input channels x 1024 time steps, 6 classes, ~103k parameters; the input shape of the
+measurements in docs/ort_notes.md), batch 32, cross-entropy, AdamW (lr 1e-3, weight decay 0.01),
+N CPU threads:
 
 1. Resident memory after import, each in a fresh interpreter: the bare interpreter, the runner
    (``import edgeadapt.runtime``) with torch blocked by a ``sys.meta_path`` finder (a device
    without torch), the runner with torch importable, ``import torch``, and
    ``import torch, edgeadapt.export`` (the exporting side).
 2. For each update policy (full / last layer / channel subset), the peak memory of an
-   adaptation step as DESIGN.md defines it: a fresh process loads the model and the batch,
-   resets its high-water mark (``echo 5 > /proc/self/clear_refs``), reads VmRSS (the *loaded
-   baseline*), runs one step and reads VmHWM; the figure is VmHWM - baseline. The same process
-   then runs warm-up steps and measures a *steady* step the same way (high-water mark reset just
-   before it, delta still over the loaded baseline), then times ``--steps`` steps.
+   adaptation step as docs/design.md ("Measuring") defines it, twice: *total* (VmHWM, file-backed
+   library code included) and *anonymous only* (RssAnon high-water mark, sampled about every
+   millisecond by ``edgeadapt.memory.AnonPeakSampler``: what the step allocates, without code
+   pages). A fresh process imports its engine (RSS read: *imported*), loads the model and the
+   batch (RSS read: the *loaded baseline*; loaded - imported = what the engine allocated before
+   the baseline), resets its high-water mark (``/proc/self/clear_refs``), runs one step and reads
+   VmHWM and the sampled RssAnon peak; each figure is its peak - baseline. The same process then
+   runs warm-up steps and measures a *steady* step the same way (delta still over the loaded
+   baseline), then times ``--steps`` steps.
    Runner: ``Runner.load(bundle, device="cpu", threads=N)`` in a torch-blocked process.
    Torch eager: the same weights in eval mode (BatchNorm on running statistics, as the bundle's
    frozen BatchNorm), ``requires_grad`` only on the parameters the policy trains,
@@ -26,10 +31,12 @@ ORT_NOTES' measurements, whose CNN had 209k parameters), batch 32, cross-entropy
    ``--min-time-s`` seconds after warm-up, in the same process, and the ratio runner / torch
    (quote the ratio, not the absolute speed: the machines are shared).
 
-What the step deltas do not show: each engine's load-time allocations are in its baseline
-(ORT allocates gradient buffers and AdamW state when the session opens; torch allocates AdamW
-state in the first step and gradients in every step), and ONNX Runtime's CPU arena keeps the
-step's memory after the step (see "retained" in the detail table). Compare the loaded RSS too.
+What each side allocates where: the runner opens its training session (ORT's gradient buffers
+and AdamW state) inside the first step, torch allocates AdamW state in its first step and
+gradients in every step; both load their parameters before the baseline ("before baseline"
+columns). ONNX Runtime's CPU arena keeps the step's memory after the step (see "retained" in the
+detail table); torch's first backward pages in tens of MB of library code, which counts in the
+total but not in the anonymous figure.
 
 Each engine and policy runs ``--repeats`` times in fresh processes, interleaved runner / torch,
 so a burst of load from other tenants hits both sides. Memory figures are the median over the
@@ -56,7 +63,6 @@ import json
 import logging
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -64,24 +70,21 @@ import tempfile
 import time
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from edgeadapt.versions import host_info  # noqa: E402  (stdlib only: safe before the torch blocker)
+
 log = logging.getLogger("adapt_memory_speed")
 
-REPO = Path(__file__).resolve().parents[1]
 MB = 2**20
 N_CHANNELS, N_CLASSES, MODEL = 8, 6, "cnn"
 # A round in which other processes used this share of the CPUs or more does not count for speed.
 CONTENDED_SHARE = 0.10
 
-# Same blocker as tests/helpers.py: installed first thing in a worker, `import torch` then fails.
-TORCH_BLOCKER = '''
-import importlib.abc, sys
-class _NoTorch(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch" or name.startswith("torch."):
-            raise ImportError("torch is blocked in this process: " + name)
-        return None
-sys.meta_path.insert(0, _NoTorch())
-'''
+# RssAnon is sampled this often while a measured step runs.
+ANON_INTERVAL_S = 0.001
 
 IMPORT_CASES = {
     # name: (block torch, statement)
@@ -105,22 +108,33 @@ POLICY_LABELS = {
 
 
 def _status_bytes() -> dict[str, int]:
-    """VmRSS and VmHWM of this process, in bytes."""
-    with open("/proc/self/status") as f:
-        text = f.read()
-    return {k: int(re.search(rf"^{k}:\s+(\d+) kB", text, re.M).group(1)) * 1024 for k in ("VmRSS", "VmHWM")}
+    """VmRSS, VmHWM and RssAnon of this process, in bytes (edgeadapt.memory)."""
+    from edgeadapt.memory import status_fields
+
+    return status_fields("VmRSS", "VmHWM", "RssAnon")
 
 
 def _reset_peak() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); True if the reset took effect."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
+    """Reset VmHWM to the current RSS; True if the reset took effect."""
+    from edgeadapt.memory import reset_peak_rss
+
+    if not reset_peak_rss():
         return False
     s = _status_bytes()
     # Right after the reset the high-water mark equals the RSS, give or take a few pages.
     return s["VmHWM"] - s["VmRSS"] < 256 * 1024
+
+
+def _measured_step(step, x, y) -> tuple[float, dict[str, int], int]:
+    """Run ``step`` once with VmHWM reset before it and RssAnon sampled during it.
+
+    Returns (loss, status after the step, sampled RssAnon peak).
+    """
+    from edgeadapt.memory import AnonPeakSampler
+
+    with AnonPeakSampler(ANON_INTERVAL_S) as sampler:
+        loss = step(x, y)
+    return loss, _status_bytes(), sampler.peak_bytes
 
 
 def _cpu_jiffies() -> tuple[int, int]:
@@ -193,23 +207,30 @@ def _worker_step(spec: dict) -> dict:
 
     import numpy as np
 
-    step = _runner_step_fn(spec) if spec["engine"] == "runner" else _torch_step_fn(spec)
+    if spec["engine"] == "runner":  # imports first: "imported" excludes them from the engine's load
+        import edgeadapt.runtime  # noqa: F401
+    else:
+        import edgeadapt.bundle  # noqa: F401
+        import edgeadapt.models  # noqa: F401
+        import torch  # noqa: F401
     rng = np.random.default_rng(spec["seed"])
     x = rng.standard_normal((spec["batch_size"], N_CHANNELS, spec["time_steps"]), dtype=np.float32)
     y = rng.integers(0, N_CLASSES, spec["batch_size"]).astype(np.int64)
     gc.collect()
+    imported = _status_bytes()
+    step = _runner_step_fn(spec) if spec["engine"] == "runner" else _torch_step_fn(spec)
+    gc.collect()
 
     clear_refs_ok = _reset_peak()
-    loaded = _status_bytes()["VmRSS"]
-    first_loss = step(x, y)
-    after_first = _status_bytes()
+    base = _status_bytes()
+    loaded = base["VmRSS"]
+    first_loss, after_first, first_anon = _measured_step(step, x, y)
     for _ in range(spec["warmup"] - 1):
         step(x, y)
     before_steady = _status_bytes()
     clear_refs_ok &= _reset_peak()
     rss_before_steady = _status_bytes()["VmRSS"]
-    step(x, y)
-    after_steady = _status_bytes()
+    _, after_steady, steady_anon = _measured_step(step, x, y)
     times: list[float] = []
     busy0, own0 = _cpu_jiffies()
     t_loop = time.perf_counter()
@@ -232,9 +253,15 @@ def _worker_step(spec: dict) -> dict:
         "engine": spec["engine"],
         "clear_refs_ok": clear_refs_ok,
         "torch_imported": "torch" in sys.modules,
+        "imported_rss_bytes": imported["VmRSS"],
         "loaded_rss_bytes": loaded,
+        "loaded_anon_bytes": base["RssAnon"],
+        "before_baseline_bytes": loaded - imported["VmRSS"],
+        "before_baseline_anon_bytes": base["RssAnon"] - imported["RssAnon"],
         "first_step_peak_bytes": after_first["VmHWM"] - loaded,
+        "first_step_anon_peak_bytes": first_anon - base["RssAnon"],
         "steady_step_peak_bytes": after_steady["VmHWM"] - loaded,
+        "steady_step_anon_peak_bytes": steady_anon - base["RssAnon"],
         "steady_step_transient_bytes": after_steady["VmHWM"] - rss_before_steady,
         "run_peak_bytes": run_hwm - loaded,
         "retained_after_run_bytes": end["VmRSS"] - loaded,
@@ -253,7 +280,9 @@ def _worker_step(spec: dict) -> dict:
 
 def worker_main(spec: dict) -> None:
     if spec.get("block_torch"):
-        exec(TORCH_BLOCKER, {})
+        from edgeadapt.harness.isolation import forbid_torch
+
+        forbid_torch()
     result = _worker_import(spec) if spec["kind"] == "import" else _worker_step(spec)
     print("RESULT " + json.dumps(result))
 
@@ -290,17 +319,11 @@ def export_all(args, tmp: Path) -> tuple[dict, Path, int]:
     import torch
 
     from edgeadapt.export import OptimizerConfig, export_bundle
+    from edgeadapt.harness.pretrained_like import as_if_pretrained
     from edgeadapt.models import build_model, count_parameters
 
     torch.manual_seed(0)
-    model = build_model(MODEL, N_CHANNELS, N_CLASSES, args.time_steps)
-    with torch.no_grad():  # running statistics and affine values as a trained model has them
-        for name, m in model.named_modules():
-            if isinstance(m, torch.nn.BatchNorm1d):
-                m.running_mean.uniform_(-0.5, 0.5)
-                m.running_var.uniform_(0.5, 2.0)
-                m.weight.uniform_(0.5, 1.5)
-                m.bias.uniform_(-0.2, 0.2)
+    model = as_if_pretrained(build_model(MODEL, N_CHANNELS, N_CLASSES, args.time_steps))
     state_path = tmp / "model_state.pt"
     torch.save(model.state_dict(), state_path)
     example = torch.randn(args.batch_size, N_CHANNELS, args.time_steps)
@@ -312,18 +335,6 @@ def export_all(args, tmp: Path) -> tuple[dict, Path, int]:
                          "policy": policy.to_dict()}
         log.info("exported %s: %d of %d elements train", name, manifest.trainable_numel, manifest.total_numel)
     return bundles, state_path, count_parameters(model)
-
-
-def _versions() -> dict:
-    from importlib import metadata
-
-    out = {"python": platform.python_version()}
-    for pkg in ("torch", "onnxruntime-training-cpu", "onnxruntime-training", "onnx", "numpy"):
-        try:
-            out[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            pass
-    return out
 
 
 def mb(b: float) -> str:
@@ -373,12 +384,15 @@ def report(res: dict) -> str:
         out.append(f"  {name:38s} {mb(r['rss_bytes']):>7s} MB{note}")
     out += [
         "",
-        "Peak memory of one adaptation step = VmHWM - VmRSS of the same fresh process with model and batch "
-        "loaded, no step run (first step):",
+        "Peak memory of one adaptation step over the same fresh process with model and batch loaded, no step "
+        "run: total = VmHWM - VmRSS (file-backed library code included), anon = sampled RssAnon peak - RssAnon "
+        "(what the step allocated). First step: includes the runner's training-session opening (ORT gradient "
+        "buffers + AdamW state) and torch's AdamW state creation and first-use code pages:",
         "",
-        "| policy | trained elements | runner peak step MB | torch peak step MB | runner steps/s | torch steps/s "
+        "| policy | trained elements | runner first step MB total / anon | torch first step MB total / anon "
+        "| runner steady step total / anon | torch steady step total / anon | runner steps/s | torch steps/s "
         "| speed ratio (runner/torch) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, p in res["policies"].items():
         r, t = p["runner"], p["torch"]
@@ -386,9 +400,25 @@ def report(res: dict) -> str:
         if t["grad_numel"] != p["trainable_numel"]:
             elems += f" (torch: {t['grad_numel']} masked)"
         flag = " (contended!)" if r["contended"] or t["contended"] else ""
-        out.append(f"| {POLICY_LABELS[name]} | {elems} | {mb(r['first_step_peak_bytes'])} | "
-                   f"{mb(t['first_step_peak_bytes'])} | {r['steps_per_s']:.1f} | {t['steps_per_s']:.1f} | "
+        out.append(f"| {POLICY_LABELS[name]} | {elems} | {mb(r['first_step_peak_bytes'])} / "
+                   f"{mb(r['first_step_anon_peak_bytes'])} | {mb(t['first_step_peak_bytes'])} / "
+                   f"{mb(t['first_step_anon_peak_bytes'])} | {mb(r['steady_step_peak_bytes'])} / "
+                   f"{mb(r['steady_step_anon_peak_bytes'])} | {mb(t['steady_step_peak_bytes'])} / "
+                   f"{mb(t['steady_step_anon_peak_bytes'])} | {r['steps_per_s']:.1f} | {t['steps_per_s']:.1f} | "
                    f"{r['steps_per_s'] / t['steps_per_s']:.2f}{flag} |")
+    out += [
+        "",
+        "Allocated before the baseline (loading the model after the engine's imports; MB total / anon), and the "
+        "loaded RSS:",
+        "",
+        "| policy | runner before baseline | torch before baseline | runner loaded RSS | torch loaded RSS |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, p in res["policies"].items():
+        r, t = p["runner"], p["torch"]
+        out.append(f"| {name} | {mb(r['before_baseline_bytes'])} / {mb(r['before_baseline_anon_bytes'])} | "
+                   f"{mb(t['before_baseline_bytes'])} / {mb(t['before_baseline_anon_bytes'])} | "
+                   f"{mb(r['loaded_rss_bytes'])} | {mb(t['loaded_rss_bytes'])} |")
     out += [
         "",
         "Detail (MB; deltas over the loaded baseline unless noted):",
@@ -496,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
                    "steps": args.steps, "min_time_s": args.min_time_s, "warmup": args.warmup, "repeats": args.repeats,
                    "extra_rounds": args.extra_rounds, "contended_share": CONTENDED_SHARE, "loss": "cross_entropy",
                    "optimizer": {"name": "adamw", "lr": 1e-3, "weight_decay": 0.01}, "runner_device": "cpu"},
-        "host": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "versions": _versions(),
+        "host": {"platform": platform.platform(), "cpu_count": os.cpu_count(), **host_info(),
                  "loadavg_at_start": load_start, "loadavg_at_end": list(os.getloadavg()),
                  "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS",
                                                     "MALLOC_ARENA_MAX", "MALLOC_TRIM_THRESHOLD_")

@@ -37,6 +37,10 @@ from .atomic import atomic_write_json, directory_lock, sweep_stale_stages
 __all__ = [
     "SCHEMA_VERSION",
     "MANIFEST_NAME",
+    "LOSSES",
+    "OPTIMIZERS",
+    "BATCHNORM_MODES",
+    "PARAMETER_MODES",
     "BundleError",
     "TensorSpec",
     "ParameterEntry",
@@ -58,6 +62,13 @@ __all__ = [
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+# The manifest's vocabulary, spelled once: the exporter, the runner and the CLI use these.
+LOSSES = ("cross_entropy", "mse", "bce_with_logits", "entropy")
+OPTIMIZERS = ("adamw", "sgd")
+BATCHNORM_MODES = ("frozen", "batch")
+# = the values of edgeadapt.sched.policy.Mode (kept here: the device side does not import sched; a test
+# holds the two equal).
+PARAMETER_MODES = ("frozen", "bias", "full", "channels")
 FILE_ROLES = ("training_model", "eval_model", "optimizer_model", "checkpoint", "masks")
 # Present iff the plan caches the frozen prefix's features (plan.cut >= 0 and plan.cache_features).
 OPTIONAL_FILE_ROLES = ("prefix_model",)
@@ -121,12 +132,12 @@ MANIFEST_SCHEMA: dict[str, Any] = {
                 },
             ]
         },
-        "loss": {"enum": ["cross_entropy", "mse", "bce_with_logits", "entropy"]},
+        "loss": {"enum": list(LOSSES)},
         "optimizer": {
             "type": "object",
             "required": ["name", "lr"],
             "properties": {
-                "name": {"enum": ["adamw", "sgd"]},
+                "name": {"enum": list(OPTIMIZERS)},
                 "lr": {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_LR},
                 "weight_decay": _UNIT,
                 "betas": {"type": "array", "minItems": 2, "maxItems": 2,
@@ -134,7 +145,7 @@ MANIFEST_SCHEMA: dict[str, Any] = {
                 "eps": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
             },
         },
-        "batchnorm": {"enum": ["frozen", "batch"]},
+        "batchnorm": {"enum": list(BATCHNORM_MODES)},
         "policy": {"type": "object"},
         "parameters": {
             "type": "array",
@@ -145,7 +156,7 @@ MANIFEST_SCHEMA: dict[str, Any] = {
                     "name": {"type": "string"},
                     "shape": {"type": "array", "maxItems": 8,
                               "items": {"type": "integer", "minimum": 0, "maximum": _MAX_DIM}},
-                    "mode": {"enum": ["frozen", "bias", "full", "channels"]},
+                    "mode": {"enum": list(PARAMETER_MODES)},
                     "onnx_names": {"type": "object", "additionalProperties": {"type": "string"}},
                     "trainable_numel": {"type": "integer", "minimum": 0, "maximum": _MAX_COUNT},
                 },

@@ -275,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edgeadapt", description=__doc__.split("\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from .bundle import BATCHNORM_MODES, LOSSES, OPTIMIZERS  # torch- and onnxruntime-free
 
     p = sub.add_parser("export", help="export a torch model to an on-device training bundle",
                        description="Export a torch model, given as module:factory, to a training bundle.")
@@ -286,11 +287,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="last-layer",
                    help="full | last-layer | bias-norm | 'pattern=mode,...' with mode frozen|bias|full|"
                         "channels:RATIO|channels:I+J (default: last-layer)")
-    p.add_argument("--loss", default="cross_entropy", choices=("cross_entropy", "mse", "bce_with_logits", "entropy"))
-    p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
+    p.add_argument("--loss", default="cross_entropy", choices=LOSSES)
+    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     p.add_argument("--lr", type=float, default=1e-3, help="default learning rate stored in the bundle")
     p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW decoupled weight decay")
-    p.add_argument("--batchnorm", default="frozen", choices=("frozen", "batch"),
+    p.add_argument("--batchnorm", default="frozen", choices=BATCHNORM_MODES,
                    help="frozen running statistics (default) or batch statistics during adaptation")
     p.add_argument("--batch-size", type=int, default=2, help="batch size of the example input used for tracing")
     p.set_defaults(func=cmd_export)

@@ -18,11 +18,10 @@ import onnx
 from onnxruntime.training import artifacts, onnxblock
 from onnxruntime.training.onnxblock import _graph_utils
 
+from ..bundle import LOSSES, OPTIMIZERS  # the manifest's vocabulary, spelled once
+
 __all__ = ["LOSSES", "OPTIMIZERS", "OptimizerConfig", "EntropyLoss", "loss_block", "optimizer_block",
            "use_torch_adamw", "torch_loss"]
-
-LOSSES = ("cross_entropy", "mse", "bce_with_logits", "entropy")
-OPTIMIZERS = ("adamw", "sgd")
 
 
 @dataclass(frozen=True)

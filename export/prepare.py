@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ..bundle import ParameterEntry
+from ..bundle import BATCHNORM_MODES, ParameterEntry
 from ..sched.ir import Param
 from ..sched.plan import ParamPlan, Plan
 from ..sched.policy import Mode, UpdatePolicy
@@ -36,8 +36,6 @@ from ..sched.resolve import resolve_param_list
 __all__ = ["FrozenBatchNorm", "ChannelSplit", "PreparedModel", "prepare_model", "prepare_from_plan", "channel_masks", "BATCHNORM_MODES"]
 
 log = logging.getLogger(__name__)
-
-BATCHNORM_MODES = ("frozen", "batch")
 
 
 class FrozenBatchNorm(nn.Module):

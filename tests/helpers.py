@@ -16,6 +16,16 @@ REPO = Path(__file__).resolve().parents[1]
 TORCH_BLOCKER = "from edgeadapt.harness.isolation import forbid_torch\nforbid_torch()\n"
 
 
+def as_if_pretrained(model, generator=None):
+    """Norm layers with the distinct statistics and affine values of a trained model (in place).
+
+    The one helper for tests and benchmarks: :func:`edgeadapt.harness.pretrained_like.as_if_pretrained`.
+    """
+    from edgeadapt.harness.pretrained_like import as_if_pretrained as draw
+
+    return draw(model, generator)
+
+
 def run_python(code: str, *, block_torch: bool = False, cwd: Path | None = None, timeout_s: int = 300):
     """Run ``code`` in a fresh interpreter; returns the CompletedProcess (text mode)."""
     src = (TORCH_BLOCKER if block_torch else "") + textwrap.dedent(code)
@@ -47,14 +57,7 @@ def make_cnn(seed: int = 0, n_channels: int = 4, n_classes: int = 3):
             return self.head(x.mean(-1))
 
     torch.manual_seed(seed)
-    m = CNN()
-    with torch.no_grad():
-        for bn in (m.bn1, m.bn2):
-            bn.running_mean.uniform_(-0.5, 0.5)
-            bn.running_var.uniform_(0.5, 2.0)
-            bn.weight.uniform_(0.5, 1.5)
-            bn.bias.uniform_(-0.2, 0.2)
-    return m.eval()
+    return as_if_pretrained(CNN()).eval()
 
 
 def make_transformer(seed: int = 0, n_channels: int = 4, n_classes: int = 3, dim: int = 16, heads: int = 2):
@@ -87,12 +90,7 @@ def make_transformer(seed: int = 0, n_channels: int = 4, n_classes: int = 3, dim
             return self.head(t.mean(1))
 
     torch.manual_seed(seed)
-    m = Encoder()
-    with torch.no_grad():
-        for ln in (m.norm1, m.norm2):
-            ln.weight.uniform_(0.5, 1.5)
-            ln.bias.uniform_(-0.2, 0.2)
-    return m.eval()
+    return as_if_pretrained(Encoder()).eval()
 
 
 def make_data(rng: np.random.Generator, n: int = 24, n_channels: int = 4, length: int = 16, n_classes: int = 3):
@@ -121,9 +119,4 @@ def make_cnn2d(seed: int = 0, n_classes: int = 3):
             return self.head(x.flatten(1))
 
     torch.manual_seed(seed)
-    m = CNN2d()
-    with torch.no_grad():
-        m.bn.running_mean.uniform_(-0.5, 0.5)
-        m.bn.running_var.uniform_(0.5, 2.0)
-        m.bn.weight.uniform_(0.5, 1.5)
-    return m.eval()
+    return as_if_pretrained(CNN2d()).eval()

@@ -10,6 +10,7 @@ import onnx
 import onnxruntime
 import pytest
 import torch
+from helpers import as_if_pretrained
 from torch import nn
 
 from edgeadapt.models import (
@@ -41,22 +42,12 @@ def _model(name: str, seed: int = 0, **kwargs) -> nn.Module:
 
 
 def _as_if_pretrained(model: nn.Module, seed: int = 1) -> nn.Module:
-    """Gives every norm layer distinct affine parameters and running statistics.
+    """Distinct norm-layer values (the shared helper) from a generator seeded with ``seed``.
 
     Fresh BatchNorm/LayerNorm parameters are all ones / all zeros; the legacy exporter in EVAL
     mode merges identical initializers, so those parameters would vanish from the graph.
     """
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, (nn.BatchNorm1d, nn.LayerNorm)):
-                n = module.weight.numel()
-                module.weight.copy_(0.5 + torch.rand(n, generator=gen))
-                module.bias.copy_(torch.rand(n, generator=gen) - 0.5)
-            if isinstance(module, nn.BatchNorm1d):
-                module.running_mean.copy_(torch.rand(n, generator=gen) - 0.5)
-                module.running_var.copy_(0.5 + torch.rand(n, generator=gen))
-    return model
+    return as_if_pretrained(model, torch.Generator().manual_seed(seed))
 
 
 def _export(model: nn.Module, x: torch.Tensor) -> onnx.ModelProto:
