@@ -13,9 +13,11 @@ printed) whose parameters + gradients + AdamW state are at least 8x the memory b
    * the trainer's tracked peak of the compute tier (``Trainer.tracked_peak_bytes``: every
      byte the executor reserves for weights, prefetched weights, gradients, staged optimizer
      state and activations) next to the budget;
-   * process peak RSS over the whole run (VmHWM) and anonymous RSS (sampled high-water mark of
-     RssAnon), both absolute and as the delta over the same process right after the model
-     and trainer were built, before the first step (the *loaded baseline*). On this CPU
+   * process RSS (VmRSS/VmHWM) and anonymous RSS (RssAnon; its high-water mark sampled every
+     2 ms) at three points: after ``import torch`` and the project (torch alone holds ~140 MiB
+     of anonymous memory), after the model and trainer were built (the *loaded baseline*),
+     and the peak over the warm-up and timed steps, with the peak's delta over the loaded
+     baseline (the step's own memory). On this CPU
      machine the host tier *is* process memory, so host-tier RSS holds the whole state; the
      disk tier keeps it in files the executor reads and writes explicitly.
 
@@ -24,7 +26,9 @@ printed) whose parameters + gradients + AdamW state are at least 8x the memory b
    ``plan_offload`` (median of repeats) and the plan (prefetch depth, recomputed blocks,
    predicted peak and where) are reported.
 
-Threads: ``torch.set_num_threads(--threads)`` in every worker (printed). MiB = 2**20 bytes.
+Threads: ``torch.set_num_threads(--threads)`` (default 1) and ``OMP_WAIT_POLICY=PASSIVE`` in
+every worker (printed): on this shared 2-core machine two OpenMP threads that spin while the
+other is descheduled made plain in-memory steps up to 10x slower. MiB = 2**20 bytes.
 Results: a table on stdout and JSON at ``--out`` (default
 ``benchmarks/results/server_offload.json``).
 
@@ -65,6 +69,7 @@ def worker(args: argparse.Namespace) -> dict:
     from edgeadapt.server.data import TokenStream
 
     torch.set_num_threads(args.threads)
+    imported = status_fields("VmRSS", "RssAnon")
     torch.manual_seed(0)
     model = build_gpt("gpt-nano", **_gpt_kwargs(args))
     data = TokenStream(args.vocab_size, args.context_len, args.batch_size, seed=1)
@@ -108,6 +113,7 @@ def worker(args: argparse.Namespace) -> dict:
         result.update(
             first_loss=first_loss, last_loss=last_loss, warmup_s=warm_s, step_s=times,
             tokens_per_s=args.batch_size * args.context_len * len(times) / sum(times),
+            import_rss_bytes=imported["VmRSS"], import_anon_bytes=imported["RssAnon"],
             baseline_rss_bytes=base["VmRSS"], baseline_anon_bytes=base["RssAnon"],
             peak_rss_bytes=peak_rss_bytes(), peak_anon_bytes=anon.peak_bytes, anon_samples=anon.samples)
         result["peak_rss_delta_bytes"] = result["peak_rss_bytes"] - base["VmRSS"]
@@ -131,7 +137,7 @@ def _run_worker(mode: str, args: argparse.Namespace) -> dict:
            "--d-model", str(args.d_model), "--n-layers", str(args.n_layers), "--n-heads", str(args.n_heads)]
     if args.offload_dir:
         cmd += ["--offload-dir", args.offload_dir]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode:
         raise RuntimeError(f"{mode} worker failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
@@ -158,7 +164,7 @@ def planner_figures(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     graph = trace_graph(model, example)
     trace_s = time.perf_counter() - t0
-    budget = parse_bytes(args.budget)
+    budget = parse_bytes(args.plan_budget)
     plan_times, plan = [], None
     for _ in range(args.plan_repeats):
         t0 = time.perf_counter()
@@ -176,9 +182,11 @@ def planner_figures(args: argparse.Namespace) -> dict:
 # ---- main -------------------------------------------------------------------------------
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=4, help="timed steps per mode (after one warm-up step)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--budget", default="40MiB", help="compute-tier memory budget of the offloaded runs")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per mode (after one warm-up step)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (default 1: the other core is left to the prefetch thread, and "
+                        "2 spinning OpenMP threads on a shared 2-core machine measured up to 10x slower)")
+    p.add_argument("--budget", default="36MiB", help="compute-tier memory budget of the offloaded runs")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--vocab-size", type=int, default=512)
     p.add_argument("--context-len", type=int, default=64)
@@ -186,6 +194,7 @@ def main() -> int:
     p.add_argument("--n-layers", type=int, default=24)
     p.add_argument("--n-heads", type=int, default=4)
     p.add_argument("--plan-repeats", type=int, default=20)
+    p.add_argument("--plan-budget", default="64MiB", help="budget of the 48-block planner figure")
     p.add_argument("--offload-dir", default=None, help="folder for the disk tier's files (default: the temp dir)")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "server_offload.json"))
     p.add_argument("--worker", choices=("memory", "host", "disk"), help=argparse.SUPPRESS)
@@ -205,14 +214,26 @@ def main() -> int:
           f"{cfg.context_len}: {cfg.n_params:,} parameters; params+grads+AdamW state {state / MIB:.1f} MiB "
           f"= {state / budget:.1f}x the budget of {budget / MIB:.1f} MiB")
     print(f"batch {args.batch_size} x {args.context_len} tokens, {args.steps} timed steps after 1 warm-up, "
-          f"torch threads {args.threads}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
+          f"torch threads {args.threads} (OMP_WAIT_POLICY=PASSIVE), {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     started = time.perf_counter()
-    runs = {mode: _run_worker(mode, args) for mode in ("memory", "host", "disk")}
     planner = planner_figures(args)
+    print(f"planner, {planner['n_blocks']}-block GPT ({planner['state_bytes'] / MIB:.0f} MiB of state, disk tier, "
+          f"budget {planner['budget_bytes'] / MIB:.0f} MiB): trace {planner['trace_s'] * 1e3:.0f} ms, "
+          f"plan_offload {planner['plan_s_median'] * 1e3:.1f} ms (median of {planner['plan_repeats']}); "
+          f"prefetch depth {planner['prefetch_depth']}, {planner['recomputed_blocks']} blocks recomputed, "
+          f"predicted peak {planner['predicted_peak_bytes'] / MIB:.1f} MiB at {planner['predicted_peak_where']}",
+          flush=True)
+    runs = {}
+    for mode in ("memory", "host", "disk"):
+        t0 = time.perf_counter()
+        runs[mode] = _run_worker(mode, args)
+        print(f"  {mode}: {runs[mode]['tokens_per_s']:,.0f} tokens/s ({time.perf_counter() - t0:.0f} s)", flush=True)
     base = runs["memory"]["tokens_per_s"]
     rows = []
     print()
-    print("| mode | tokens/s | vs in-memory | tracked peak / budget | peak RSS (delta) | peak anon RSS (delta) | loss first -> last |")
+    print("| mode | tokens/s | vs in-memory | tracked peak / budget | RSS after import -> loaded -> peak | "
+          "anon RSS after import -> loaded -> peak | loss first -> last |")
     print("|---|---|---|---|---|---|---|")
     for mode, r in runs.items():
         tracked = (f"{r['tracked_peak_bytes'] / MIB:.1f} / {budget / MIB:.1f} MiB" if "tracked_peak_bytes" in r
@@ -220,15 +241,11 @@ def main() -> int:
         row = {"mode": mode, "tokens_per_s": r["tokens_per_s"], "ratio_vs_memory": r["tokens_per_s"] / base}
         rows.append(row)
         print(f"| {mode} | {r['tokens_per_s']:,.0f} | {row['ratio_vs_memory']:.2f}x | {tracked} | "
+              f"{r['import_rss_bytes'] / MIB:.0f} -> {r['baseline_rss_bytes'] / MIB:.0f} -> "
               f"{r['peak_rss_bytes'] / MIB:.0f} MiB ({r['peak_rss_delta_bytes'] / MIB:+.0f}) | "
+              f"{r['import_anon_bytes'] / MIB:.0f} -> {r['baseline_anon_bytes'] / MIB:.0f} -> "
               f"{r['peak_anon_bytes'] / MIB:.0f} MiB ({r['peak_anon_delta_bytes'] / MIB:+.0f}) | "
               f"{r['first_loss']:.3f} -> {r['last_loss']:.3f} |")
-    print()
-    print(f"planner, {planner['n_blocks']}-block GPT ({planner['state_bytes'] / MIB:.0f} MiB of state, disk tier, "
-          f"budget {planner['budget_bytes'] / MIB:.0f} MiB): trace {planner['trace_s'] * 1e3:.0f} ms, "
-          f"plan_offload {planner['plan_s_median'] * 1e3:.1f} ms (median of {planner['plan_repeats']}); "
-          f"prefetch depth {planner['prefetch_depth']}, {planner['recomputed_blocks']} blocks recomputed, "
-          f"predicted peak {planner['predicted_peak_bytes'] / MIB:.1f} MiB at {planner['predicted_peak_where']}")
     total_s = time.perf_counter() - started
     print(f"benchmark time {total_s:.0f} s")
     out = Path(args.out)
