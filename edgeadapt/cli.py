@@ -97,9 +97,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     shape = [int(s) for s in args.input_shape.split(",")]
     example = torch.randn(args.batch_size, *shape)
     opt = OptimizerConfig(args.optimizer, lr=args.lr, weight_decay=args.weight_decay if args.optimizer == "adamw" else 0.0)
-    manifest = export_bundle(model, example, args.out, policy=UpdatePolicy.parse(args.policy), loss=args.loss,
-                             optimizer=opt, batchnorm=args.batchnorm)
+    policy = UpdatePolicy.parse(args.policy) if args.policy else None
+    manifest = export_bundle(model, example, args.out, policy=policy, loss=args.loss, optimizer=opt,
+                             batchnorm=args.batchnorm, memory_budget=args.memory_budget, n_windows=args.n_windows,
+                             batch_windows=args.batch_windows)
     print(f"exported {args.out}: {manifest.trainable_numel:,} of {manifest.total_numel:,} parameter elements train")
+    predicted = (manifest.plan or {}).get("predicted_peak_bytes")
+    if predicted is not None:
+        from .sched.plan import format_bytes
+
+        budget = f" (budget {format_bytes(manifest.plan['budget_bytes'])})" if manifest.plan.get("budget_bytes") else ""
+        print(f"predicted peak of an adapt call over {manifest.plan['n_windows']} windows: "
+              f"{format_bytes(predicted)}{budget}; details: edgeadapt plan {args.out}")
     return 0
 
 
@@ -284,9 +293,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="bundle directory to create (must not exist)")
     p.add_argument("--weights", help="state_dict file saved with torch.save (loaded with weights_only=True)")
     p.add_argument("--factory-kwargs", help="JSON object of keyword arguments for the factory")
-    p.add_argument("--policy", default="last-layer",
+    p.add_argument("--policy", default=None,
                    help="full | last-layer | bias-norm | 'pattern=mode,...' with mode frozen|bias|full|"
-                        "channels:RATIO|channels:I+J (default: last-layer)")
+                        "channels:RATIO|channels:I+J (default: last-layer; with --memory-budget: chosen by the planner)")
+    p.add_argument("--memory-budget", default=None, metavar="BYTES",
+                   help="bound on the peak memory of a whole adapt call, e.g. 512KiB, 2MiB: with --policy the "
+                        "policy is checked against it, without one the planner picks what trains")
+    p.add_argument("--n-windows", type=int, default=128, help="adaptation windows the plan is made for (default 128)")
+    p.add_argument("--batch-windows", type=int, default=32, help="windows per optimizer step the plan is made for")
     p.add_argument("--loss", default="cross_entropy", choices=LOSSES)
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     p.add_argument("--lr", type=float, default=1e-3, help="default learning rate stored in the bundle")
@@ -342,6 +356,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Full training with the streaming/offload trainer; under torchrun, data parallel.")
     _add_train(p)
     p.set_defaults(func=cmd_train)
+
+    from .plan_cli import add_plan_parser
+
+    add_plan_parser(sub)
     return parser
 
 

@@ -20,12 +20,14 @@ from torch import nn
 
 from ..atomic import staged_directory
 from ..bundle import Manifest, TensorSpec, sha256_file, write_manifest
-from ..versions import package_versions
 from ..onnx_guard import stamp_contract
+from ..versions import package_versions
 from .graph import MAX_IR_VERSION, UnsupportedOpError, module_of_node, to_onnx
 from .objectives import LOSSES, OptimizerConfig, loss_block, optimizer_block, use_torch_adamw
 from ..sched.policy import UpdatePolicy
-from .prepare import channel_masks, prepare_model
+from ..sched.plan import parse_bytes
+from .planning import check_entries, cut_model, manifest_plan, plan_export, policy_of_plan, recompute_node_names
+from .prepare import channel_masks, prepare_from_plan, prepare_model
 from .selfcheck import choose_session
 
 __all__ = ["export_bundle", "REWRITE_TOLERANCE"]
@@ -35,6 +37,7 @@ log = logging.getLogger(__name__)
 # The prepared (rewritten) model must reproduce the original's eval output to this tolerance.
 REWRITE_TOLERANCE = 1e-4
 INPUT_NAME, OUTPUT_NAME = "input", "output"
+PREFIX_FILE = "prefix_model.onnx"
 
 
 def _label_spec(loss: str, output_shape: tuple[int, ...]) -> dict | None:
@@ -93,20 +96,37 @@ def _generate(model_proto: onnx.ModelProto, entries, loss: str, opt: OptimizerCo
         raise UnsupportedOpError(op, modules, "ONNX Runtime has no gradient for it") from None
 
 
+def _bake_recompute(training_path: Path, node_names: list[str]) -> list[str]:
+    """Duplicate the plan's recomputed forward nodes in front of their backward readers."""
+    if not node_names:
+        return []
+    from .recompute import recompute_nodes
+
+    model = onnx.load(training_path)
+    done = recompute_nodes(model, node_names)
+    if done:
+        onnx.save(model, training_path)
+    log.info("recompute: %d of %d nodes of recomputed ops duplicated in the training graph", len(done), len(node_names))
+    return done
+
+
 def _draft_manifest(stage: Path, entries, loss: str, opt: OptimizerConfig, batchnorm: str, label,
-                    example_input: torch.Tensor, output: torch.Tensor, policy: UpdatePolicy) -> Manifest:
+                    example_input: torch.Tensor, output: torch.Tensor, policy: UpdatePolicy,
+                    plan: dict | None = None, graph: dict | None = None) -> Manifest:
     files = {
         "training_model": "training_model.onnx", "eval_model": "eval_model.onnx",
         "optimizer_model": "optimizer_model.onnx", "checkpoint": "checkpoint", "masks": "masks.npz",
     }
+    if (stage / PREFIX_FILE).exists():
+        files["prefix_model"] = PREFIX_FILE
     return Manifest(
         files=files,
         sha256={name: sha256_file(stage / name) for name in files.values()},
         input=TensorSpec(INPUT_NAME, (None, *example_input.shape[1:]), "float32"),
         output=TensorSpec(OUTPUT_NAME, (None, *output.shape[1:]), "float32"),
         label=label, loss=loss, optimizer=opt.to_dict(), batchnorm=batchnorm,
-        policy=policy.to_dict(), parameters=entries, versions=package_versions(("edgeadapt", "torch", "onnx", "numpy", "onnxruntime")),
-        state={"epoch": 0, "step": 0},
+        policy=policy.to_dict(), parameters=entries, versions=package_versions(),
+        state={"epoch": 0, "step": 0}, plan=plan, graph=graph,
     )
 
 
@@ -119,6 +139,11 @@ def export_bundle(
     loss: str = "cross_entropy",
     optimizer: str | OptimizerConfig = "adamw",
     batchnorm: str = "frozen",
+    memory_budget: int | str | None = None,
+    n_windows: int = 128,
+    batch_windows: int = 32,
+    importance: dict[str, float] | None = None,
+    cache_features: bool | None = None,
 ) -> Manifest:
     """Export ``model`` to an on-device training bundle at ``out_dir``.
 
@@ -132,16 +157,36 @@ def export_bundle(
         optimizer: ``"adamw"``, ``"sgd"`` or an :class:`OptimizerConfig`.
         batchnorm: ``"frozen"`` (running statistics fixed; default) or ``"batch"`` (ONNX Runtime
             trains with batch statistics and updates the running ones).
+        memory_budget: bound on the peak memory of one whole ``Runner.adapt`` call over
+            ``n_windows`` windows (bytes, or a string such as ``"512KiB"``). With ``policy`` the
+            policy is checked (and micro-batching, feature caching and recompute chosen to fit
+            it); without, the planner picks what trains. ``None``: no bound.
+        n_windows: adaptation windows the plan is made for (the size of the feature cache).
+        batch_windows: windows per optimizer step the plan is made for.
+        importance: for a budget without a policy: importance per parameter name (higher trains
+            first); default: measured on ``example_input``.
+        cache_features: without a budget, force (True) or forbid (False) running the frozen
+            prefix once per ``adapt`` call with its features cached; ``None``: when the
+            predicted peak is lower.
 
     Returns:
         The manifest written into the bundle.
+
+    The manifest records the plan (``plan``, with ``predicted_peak_bytes``: the predicted peak of
+    a whole ``adapt`` call over ``n_windows`` windows) and the graph IR of the model (``graph``).
+    When the plan caches the frozen prefix's features, the bundle holds ``prefix_model.onnx``
+    (``input`` -> ``features``) and its training and eval models take ``features``.
 
     Raises:
         UnsupportedOpError: an op cannot be exported or differentiated (names op and module).
         ValueError: bad arguments, with the fix in the message.
         FileExistsError: ``out_dir`` exists.
+        edgeadapt.sched.NoFeasiblePlan: no plan fits ``memory_budget``; names the smallest budget
+            that would.
+        edgeadapt.sched.BudgetExceeded: ``policy`` does not fit ``memory_budget``, with the numbers.
     """
-    policy = policy or UpdatePolicy.last_layer()
+    budget_bytes = None if memory_budget is None else parse_bytes(memory_budget)
+    given_policy = policy
     opt = OptimizerConfig(optimizer) if isinstance(optimizer, str) else optimizer
     if loss not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
@@ -150,26 +195,49 @@ def export_bundle(
     if Path(out_dir).exists():
         raise FileExistsError(f"{out_dir} already exists; choose a new bundle directory or remove it")
 
-    prepared = prepare_model(model, policy, batchnorm)
     with torch.no_grad():
         reference = copy.deepcopy(model).eval()(example_input)  # never flip the caller's mode
-        output = prepared.module(example_input)
-    if not isinstance(output, torch.Tensor):
+    if not isinstance(reference, torch.Tensor):
         raise ValueError("the model must return a single tensor (logits or regression output)")
+    label = _label_spec(loss, tuple(reference.shape))
+
+    planned = plan_export(model, example_input, policy=given_policy, budget_bytes=budget_bytes, batchnorm=batchnorm,
+                          optimizer=opt.name, n_windows=n_windows, batch_windows=batch_windows, importance=importance,
+                          cache_features=cache_features, loss=loss)
+    plan, graph = planned.plan, planned.graph
+    policy = given_policy
+    if plan is None:  # no graph IR for this model: the policy as given, no plan recorded
+        policy = policy or UpdatePolicy.last_layer()
+        prepared = prepare_model(model, policy, batchnorm)
+    else:
+        if policy is None:  # recorded for reports; the plan in the manifest is what the bundle carries out
+            try:
+                policy = policy_of_plan(graph, plan)
+            except ValueError as e:
+                log.info("the planned updates have no rule form (%s); the manifest's plan lists them", e)
+                policy = UpdatePolicy()
+        prepared = prepare_from_plan(model, plan, batchnorm)
+        check_entries(plan, prepared.entries)
+    with torch.no_grad():
+        output = prepared.module(example_input)
     gap = float((output - reference).abs().max())
     if gap > REWRITE_TOLERANCE:
         raise RuntimeError(f"internal: the rewritten model differs from the original by {gap:.3g}")
-    label = _label_spec(loss, tuple(output.shape))
 
     model_proto, entries = to_onnx(prepared.module, example_input, prepared.entries, INPUT_NAME, OUTPUT_NAME)
+    split, plan = (None, None) if plan is None else cut_model(model_proto, graph, plan, entries, batchnorm)
     onnxruntime.set_default_logger_severity(3)
     with staged_directory(out_dir) as stage:
-        _generate(model_proto, entries, loss, opt, stage)
+        if split is not None:
+            onnx.save(split.prefix, stage / PREFIX_FILE)
+        _generate(model_proto if split is None else split.suffix, entries, loss, opt, stage)
         opt_path = stage / "optimizer_model.onnx"
         opt_model = onnx.load(opt_path)
         if use_torch_adamw(opt_model):
             onnx.save(opt_model, opt_path)
-        for f in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx"):
+        recomputed = [] if plan is None else _bake_recompute(stage / "training_model.onnx",
+                                                             recompute_node_names(model_proto, graph, plan))
+        for f in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", *([PREFIX_FILE] if split else [])):
             ir = onnx.load(stage / f, load_external_data=False).ir_version
             if ir > MAX_IR_VERSION:
                 raise RuntimeError(
@@ -177,7 +245,11 @@ def export_bundle(
                     "Install onnx==1.17.0 (pip install 'edgeadapt[server]')"
                 )
         np.savez(stage / "masks.npz", **channel_masks(entries, prepared.trained_channels))
-        draft = _draft_manifest(stage, entries, loss, opt, batchnorm, label, example_input, output, policy)
+        draft = _draft_manifest(stage, entries, loss, opt, batchnorm, label, example_input, output, policy,
+                                plan=None if plan is None else manifest_plan(plan),
+                                graph=None if graph is None else graph.to_dict())
+        if recomputed:  # ORT's common subexpression elimination would merge the copies back
+            draft = replace(draft, session={**draft.session, "disable_cse": True})
         session = choose_session(stage, draft, prepared.module, prepared.entries, example_input.numpy())
         manifest = replace(draft, session=session)
         manifest = stamp_contract(stage, manifest)  # last: the graphs record the final settings

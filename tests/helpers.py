@@ -120,3 +120,27 @@ def make_cnn2d(seed: int = 0, n_classes: int = 3):
 
     torch.manual_seed(seed)
     return as_if_pretrained(CNN2d()).eval()
+
+
+def strip_plan(src: Path, dst: Path) -> None:
+    """Copy bundle ``src`` to ``dst`` as a bundle written before memory plans existed: no ``plan``
+    or ``graph`` in the manifest, no settings stamps in the graphs (checksums recomputed)."""
+    import json
+    import shutil
+
+    import onnx
+
+    from edgeadapt.bundle import sha256_file
+
+    shutil.copytree(src, dst)
+    raw = json.loads((dst / "manifest.json").read_text())
+    raw.pop("plan", None), raw.pop("graph", None)
+    for role in ("training_model", "eval_model", "optimizer_model"):
+        path = dst / raw["files"][role]
+        model = onnx.load(path)
+        keep = [p for p in model.metadata_props if not p.key.startswith("edgeadapt")]
+        del model.metadata_props[:]
+        model.metadata_props.extend(keep)
+        onnx.save(model, path)
+        raw["sha256"][raw["files"][role]] = sha256_file(path)
+    (dst / "manifest.json").write_text(json.dumps(raw))

@@ -16,7 +16,7 @@ from helpers import run_python
 from edgeadapt.cli import build_parser
 from edgeadapt.datasets import WindowDataset
 
-SUBCOMMANDS = ("export", "inspect", "adapt", "evaluate", "export-inference", "quickstart", "train")
+SUBCOMMANDS = ("export", "inspect", "adapt", "evaluate", "export-inference", "quickstart", "train", "plan")
 
 
 def cli(*args: str, block_torch: bool = False):

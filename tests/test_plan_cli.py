@@ -1,0 +1,108 @@
+"""``edgeadapt plan``: the plan a bundle carries, measured in a fresh torch-free process, drawn;
+``edgeadapt export --memory-budget``."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from helpers import make_cnn, strip_plan
+
+from edgeadapt.bundle import read_manifest
+from edgeadapt.cli import main
+from edgeadapt.export import Rule, UpdatePolicy, export_bundle
+from edgeadapt.plan_cli import draw_timeline, plan_report
+
+EXAMPLE = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(0))
+PHASES = ("session", "features", "rollback", "forward", "backward", "optimizer")
+
+
+@pytest.fixture(scope="module")
+def planned_bundle(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan") / "cnn"
+    export_bundle(make_cnn(), EXAMPLE, out, policy=UpdatePolicy(rules=(Rule("head", "full"), Rule("dw", "full"))),
+                  cache_features=True, n_windows=40, batch_windows=8)
+    return out
+
+
+def test_plan_prints_what_trains_cut_batch_and_phases(planned_bundle, capsys):
+    assert main(["plan", str(planned_bundle)]) == 0
+    text = capsys.readouterr().out
+    for needle in ("trains", "head.weight", "dw.bias", "cut          after op", "prefix runs once per adapt call",
+                   "8 windows per step, micro-batches of 8", "planned for 40 adaptation windows",
+                   "recompute", "predicted peak per phase", "<- peak"):
+        assert needle in text, needle
+    assert all(f"  {phase}" in text for phase in PHASES)
+
+
+def test_plan_json_matches_the_manifest(planned_bundle, capsys):
+    assert main(["plan", str(planned_bundle), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    manifest = read_manifest(planned_bundle)
+    assert report["predicted"]["peak_bytes"] == manifest.plan["predicted_peak_bytes"]
+    # the planner predicts the same peak again from the stored graph and plan
+    assert report["predicted_now"]["peak_bytes"] == manifest.plan["predicted_peak_bytes"]
+    assert report["cut"]["feature_cache_bytes"] == 40 * report["cut"]["features_bytes_per_window"] > 0
+    assert {t["name"] for t in report["trains"]} == {"dw.weight", "dw.bias", "head.weight", "head.bias"}
+    assert report["measured"] is None
+
+
+def test_plan_for_another_window_count_predicts_again(planned_bundle):
+    small, large = (plan_report(planned_bundle, n_windows=n) for n in (10, 400))
+    assert small["cut"]["feature_cache_bytes"] < large["cut"]["feature_cache_bytes"]
+    assert small["predicted_now"]["peak_bytes"] < large["predicted_now"]["peak_bytes"]
+
+
+def test_measure_runs_a_torch_free_adapt_and_draws_the_timeline(planned_bundle, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "timeline.png"
+    assert main(["plan", str(planned_bundle), "--measure", "--json", "--png", str(png)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    m = report["measured"]
+    assert m["torch_imported"] is False and m["n_windows"] == 40 and m["steps"] == 5
+    assert m["call_peak_bytes"] > 0 and m["call_peak_anon_bytes"] > 0 and len(m["timeline"]) == m["samples"] >= 2
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_png_without_matplotlib_is_a_clear_error(planned_bundle, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    with pytest.raises(ImportError, match="pip install matplotlib"):
+        draw_timeline(plan_report(planned_bundle), None, tmp_path / "t.png")
+
+
+def test_a_bundle_without_a_plan_is_refused_with_the_fix(cnn_bundle, tmp_path, capsys):
+    strip_plan(cnn_bundle, tmp_path / "old")
+    assert main(["plan", str(tmp_path / "old")]) == 2
+    err = capsys.readouterr().err
+    assert "carries no memory plan" in err and "re-export" in err
+
+
+def _export_cli(out, *extra: str) -> int:
+    return main(["export", "helpers:make_cnn", "--input-shape", "4,16", "--out", str(out), "--n-windows", "32",
+                 "--batch-windows", "8", *extra])
+
+
+def test_export_with_a_budget_picks_a_plan_that_fits(tmp_path, capsys):
+    assert _export_cli(tmp_path / "roomy", "--memory-budget", "64MiB") == 0
+    assert "predicted peak of an adapt call over 32 windows" in capsys.readouterr().out
+    plan = read_manifest(tmp_path / "roomy").plan
+    assert plan["budget_bytes"] == 64 * 2**20 and 0 < plan["predicted_peak_bytes"] <= 64 * 2**20
+
+
+def test_no_feasible_budget_names_the_smallest_that_fits(tmp_path, capsys):
+    assert _export_cli(tmp_path / "tiny", "--memory-budget", "1KiB") == 2
+    err = capsys.readouterr().err
+    assert "smallest budget that fits is" in err and not (tmp_path / "tiny").exists()
+    smallest = int(err.split("smallest budget that fits is ")[1].split(" ")[0])
+    assert smallest > 1024
+    # ... and that budget does fit
+    assert _export_cli(tmp_path / "just", "--memory-budget", str(smallest)) == 0
+    assert read_manifest(tmp_path / "just").plan["predicted_peak_bytes"] <= smallest
+
+
+def test_a_given_policy_over_the_budget_is_refused_with_the_numbers(tmp_path, capsys):
+    assert _export_cli(tmp_path / "full", "--policy", "full", "--memory-budget", "4KiB") == 2
+    err = capsys.readouterr().err
+    assert "bytes" in err and "budget" in err and not (tmp_path / "full").exists()
