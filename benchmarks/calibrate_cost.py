@@ -145,19 +145,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
-    from importlib import metadata
 
     from edgeadapt.atomic import atomic_write_json
     from edgeadapt.sched import CostModel, Graph, Plan, predict
-
-    def package_versions():
-        out = {}
-        for pkg in ("edgeadapt", "numpy", "scipy", "torch", "onnx", "onnxruntime-training-cpu", "onnxruntime-training"):
-            try:
-                out[pkg] = metadata.version(pkg)
-            except metadata.PackageNotFoundError:
-                pass
-        return out
+    from edgeadapt.versions import package_versions
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="edgeadapt-calibrate-") as tmp:
@@ -206,7 +197,7 @@ def main(argv=None) -> int:
                          "command": " ".join(["benchmarks/calibrate_cost.py", *(argv or sys.argv[1:])]),
                          "figure": args.fit, "conservative": args.conservative, "model": f"{args.model} {args.channels}x{args.time_steps}",
                          "batch_windows": args.batch, "n_windows": args.n_windows, "threads": args.threads,
-                         "versions": package_versions(), "fits": fits,
+                         "versions": package_versions(("edgeadapt", "numpy", "scipy", "torch", "onnx", "onnxruntime-training-cpu", "onnxruntime-training")), "fits": fits,
                          "plans": [{k: v for k, v in r.items() if k not in ("graph", "plan")} for r in rows],
                      })
     atomic_write_json(args.out, cost.to_dict())
