@@ -145,7 +145,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
-
     from edgeadapt.atomic import atomic_write_json
     from edgeadapt.sched import CostModel, Graph, Plan, predict
     from edgeadapt.versions import package_versions
