@@ -20,6 +20,7 @@ crash at any point leaves a manifest that names a complete, checksummed checkpoi
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -182,6 +183,21 @@ MANIFEST_SCHEMA: dict[str, Any] = {
 }
 
 
+@functools.cache
+def _validator() -> jsonschema.protocols.Validator:
+    # Built once: jsonschema.validate() re-checks the schema itself on every call (~0.4 s).
+    cls = jsonschema.validators.validator_for(MANIFEST_SCHEMA)
+    cls.check_schema(MANIFEST_SCHEMA)
+    return cls(MANIFEST_SCHEMA)
+
+
+def _validate(d: Any) -> None:
+    """Raise the most relevant :class:`jsonschema.ValidationError` of ``d``, as jsonschema.validate does."""
+    error = jsonschema.exceptions.best_match(_validator().iter_errors(d))
+    if error is not None:
+        raise error
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """Name, shape (``None`` for a dynamic axis) and dtype of a model input, output or label."""
@@ -310,7 +326,7 @@ class Manifest:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Manifest:
         try:
-            jsonschema.validate(d, MANIFEST_SCHEMA)
+            _validate(d)
         except jsonschema.ValidationError as e:
             where = "/".join(str(p) for p in e.absolute_path) or "<root>"
             message = e.message if len(e.message) <= 300 else e.message[:300] + "..."
@@ -540,5 +556,5 @@ def bundle_lock(bundle_dir: str | os.PathLike, *, exclusive: bool, blocking: boo
 def write_manifest(bundle_dir: str | os.PathLike, manifest: Manifest) -> None:
     """Validate and write ``manifest.json`` atomically."""
     d = manifest.to_dict()
-    jsonschema.validate(d, MANIFEST_SCHEMA)
+    _validate(d)
     atomic_write_json(Path(bundle_dir) / MANIFEST_NAME, d)
