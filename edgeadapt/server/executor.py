@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
-from ..sched.plan import Action, Plan
+from ..sched.plan import Plan
 from .optim import OptimizerSpec, update_block
 from .residency import MemoryLedger, Residency
 from .store import StateStore
@@ -332,6 +332,13 @@ class StreamingExecutor:
             self.ledger.reserve(f"activations:{owner}", total)
 
     def _call_block(self, slot: BlockSlot, args: tuple, kwargs: dict):
+        if not torch.is_grad_enabled():  # inference (Trainer.predict): stream the weights, keep nothing
+            self.acquire(slot.index)
+            self._prefetch_after(self._position(slot.index, backward=False))
+            try:
+                return self._run(slot, args, kwargs, [v.detach() for v in slot.leaves])
+            finally:
+                self.release(slot.index)
         if slot.index in self._ran:
             raise RuntimeError(f"block {slot.name!r} ran twice in one step; the streaming trainer updates each "
                                "block once per step, so a block may be called only once per forward")

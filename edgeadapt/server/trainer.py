@@ -309,6 +309,24 @@ class Trainer:
         self.step_count += 1
         return value
 
+    @torch.no_grad()
+    def predict(self, x) -> torch.Tensor:
+        """The model's output for ``x`` with the current weights, streamed block by block (no
+        gradient, no update; BatchNorm in eval mode, dropout off). The whole model is never
+        gathered, unlike :meth:`model`."""
+        xs = [t.to(self.device) for t in _tensors(x)]
+        self._model.eval()
+        self.ledger.reserve("input", sum(t.numel() * t.element_size() for t in xs))
+        try:
+            if self.executor is not None:
+                self.executor.begin_step()
+            return self._model(*xs)
+        finally:
+            if self.executor is not None:
+                self.executor.end_step()
+            self.ledger.release("input")
+            self._model.train()
+
     def _charge_in_memory(self, tensors: list[torch.Tensor]) -> None:
         seen: dict[int, int] = {}
         params = {p.untyped_storage().data_ptr() for p in self._model.parameters()}

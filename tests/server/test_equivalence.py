@@ -113,3 +113,17 @@ def test_integer_inputs_several_block_inputs_and_tuple_outputs(recompute, adamw)
         t.step(x, y)
     got, want = t.model().state_dict(), ref.state_dict()
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("offload", ["host", "disk", None])
+def test_predict_streams_the_current_weights_in_eval_mode(offload, adamw, tmp_path):
+    data = batches("cnn", 2)
+    t = Trainer(make_cnn(), optimizer=adamw, memory_budget="1MiB", offload=offload, offload_dir=tmp_path,
+                device="cpu", example_input=data[0][0])
+    t.step(*data[0])
+    want = t.model().eval()(data[1][0])
+    got = t.predict(data[1][0])
+    assert torch.equal(got, want)
+    assert t.tracked_peak_bytes <= 2**20
+    t.step(*data[1])  # training continues after a prediction
+    assert t.step_count == 2
