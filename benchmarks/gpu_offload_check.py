@@ -60,17 +60,29 @@ def _model(args):
                      d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads)
 
 
-def _timed(step, batches, warmup: int):
+def _cuda(args) -> bool:
+    return args.device == "cuda"
+
+
+def _timed(args, step, batches, warmup: int):
     import torch
 
     for x, y in batches[:warmup]:
         step(x, y)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    if _cuda(args):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     losses = [step(x, y) for x, y in batches[warmup:]]
-    torch.cuda.synchronize()
+    if _cuda(args):
+        torch.cuda.synchronize()
     return time.perf_counter() - t0, losses
+
+
+def _max_allocated(args) -> int:
+    import torch
+
+    return int(torch.cuda.max_memory_allocated()) if _cuda(args) else 0
 
 
 def run_offloaded(args, tier: str, batches) -> dict:
@@ -85,18 +97,19 @@ def run_offloaded(args, tier: str, batches) -> dict:
         trainer = Trainer(_model(args), loss=token_cross_entropy,
                           optimizer=OptimizerConfig("adamw", lr=1e-4, weight_decay=0.01),
                           memory_budget=args.budget, offload=tier, offload_dir=Path(tmp) / "state",
-                          device="cuda", recompute="auto", example_input=batches[0][0])
+                          device=args.device, recompute="auto", example_input=batches[0][0])
         setup_s = time.perf_counter() - t0
-        time_s, losses = _timed(lambda x, y: float(trainer.step(x, y)), batches, args.warmup)
+        time_s, losses = _timed(args, lambda x, y: float(trainer.step(x, y)), batches, args.warmup)
         out = {"tier": tier, "setup_s": setup_s, "time_s": time_s, "losses": losses,
                "tokens_per_s": args.steps * args.batch_size * args.context_len / time_s,
                "tracked_peak_bytes": int(trainer.tracked_peak_bytes),
-               "max_memory_allocated_bytes": int(torch.cuda.max_memory_allocated())}
+               "max_memory_allocated_bytes": _max_allocated(args)}
         close = getattr(trainer, "close", None)
         if close:
             close()
         del trainer
-    torch.cuda.empty_cache()
+    if _cuda(args):
+        torch.cuda.empty_cache()
     return out
 
 
@@ -105,21 +118,22 @@ def run_in_memory(args, batches) -> dict:
 
     from edgeadapt.models import token_cross_entropy
 
-    model = _model(args).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
+    model = _model(args).to(args.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=_cuda(args))
 
     def step(x, y):
         opt.zero_grad(set_to_none=True)
-        loss = token_cross_entropy(model(x.cuda(non_blocking=True)), y.cuda(non_blocking=True))
+        loss = token_cross_entropy(model(x.to(args.device, non_blocking=True)), y.to(args.device, non_blocking=True))
         loss.backward()
         opt.step()
         return float(loss.detach())
-    time_s, losses = _timed(step, batches, args.warmup)
+    time_s, losses = _timed(args, step, batches, args.warmup)
     out = {"tier": "in-memory", "time_s": time_s, "losses": losses,
            "tokens_per_s": args.steps * args.batch_size * args.context_len / time_s,
-           "max_memory_allocated_bytes": int(torch.cuda.max_memory_allocated())}
+           "max_memory_allocated_bytes": _max_allocated(args)}
     del model, opt
-    torch.cuda.empty_cache()
+    if _cuda(args):
+        torch.cuda.empty_cache()
     return out
 
 
@@ -137,12 +151,14 @@ def main() -> int:
     p.add_argument("--n-heads", type=int, default=16)
     p.add_argument("--min-ratio", type=float, default=4.0, help="required state / budget")
     p.add_argument("--offload-dir", default=None, help="folder for the disk tier (default: a temp dir)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                   help="cpu: a dry run of this script's code on the CPU (pass tiny sizes); figures mean nothing")
     args = p.parse_args()
 
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO / "benchmarks" / "results"
     import torch
 
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("SKIP: torch sees no CUDA device (torch.cuda.is_available() is False); "
               "this check only runs on a machine with a GPU. Nothing was measured.")
         return 0
@@ -157,7 +173,7 @@ def main() -> int:
         print(f"error: the model's state ({state / GIB:.2f} GiB) is under {args.min_ratio}x the budget "
               f"({budget / GIB:.2f} GiB); raise --n-layers/--d-model or lower --budget", file=sys.stderr)
         return 2
-    gpu = torch.cuda.get_device_name(0)
+    gpu = torch.cuda.get_device_name(0) if _cuda(args) else "cpu (dry run)"
     print(f"{gpu}; torch {torch.__version__}; GPT {cfg.n_layers} blocks x d_model {cfg.d_model}, vocab {cfg.vocab_size}: "
           f"{cfg.n_params:,} parameters, state {state / GIB:.2f} GiB = {state / budget:.1f}x the budget "
           f"{budget / GIB:.2f} GiB; batch {args.batch_size} x {args.context_len} tokens, "
@@ -172,7 +188,7 @@ def main() -> int:
         print(json.dumps({k: v for k, v in runs[-1].items() if k != "losses"}), flush=True)
     try:
         base = run_in_memory(args, batches)
-    except torch.cuda.OutOfMemoryError as e:
+    except torch.OutOfMemoryError as e:
         base = {"tier": "in-memory", "error": f"OutOfMemoryError: {e}"}
     runs.append(base)
     print()
