@@ -7,7 +7,8 @@ It picks, in this order of concern:
 2. the micro-batch -- the largest that fits, to keep steps fast (with a selection: the largest
    whose best importance is within ``importance_tolerance`` of the best over all sizes);
 3. the prefix -- cache its features once per call when that fits (the prefix then runs once,
-   not every epoch), else run it with every micro-batch;
+   not every epoch; with a selection: when the importance stays within the tolerance), else
+   run it with every micro-batch;
 4. rematerialisation -- none when everything fits, else the least recompute FLOPs that fit.
 
 The result carries ``predicted`` and ``budget_bytes`` and has passed :func:`verify`.
@@ -39,8 +40,13 @@ log = logging.getLogger(__name__)
 
 
 def micro_batch_sizes(batch_windows: int) -> list[int]:
-    """Distinct micro-batch sizes that split a batch evenly-ish (``ceil(batch / k)``), largest first."""
-    return sorted({math.ceil(batch_windows / k) for k in range(1, batch_windows + 1)}, reverse=True)
+    """Micro-batch sizes tried, largest first: the batch halved (rounding up) down to 1."""
+    sizes, m = [], batch_windows
+    while True:
+        sizes.append(m)
+        if m == 1:
+            return sizes
+        m = math.ceil(m / 2)
 
 
 def _activation_limit(cost: CostModel, budget: int, held: int, m: int) -> int:
@@ -195,8 +201,9 @@ def plan_for_budget(graph: Graph, budget_bytes: int | str, *, importance: dict |
         weights: parameter arrays, for policies with channel ratios.
         allow_cache: may cache the prefix's features.
         allow_remat: may recompute activations.
-        importance_tolerance: a smaller micro-batch is taken only if it raises the selected
-            importance by more than this fraction.
+        importance_tolerance: a smaller micro-batch, or recomputing the prefix every epoch
+            instead of caching its features, is taken only if it raises the selected importance
+            by more than this fraction.
         solver: ``"milp"`` (exact; greedy if the solver fails) or ``"greedy"``.
 
     Raises:
@@ -218,31 +225,40 @@ def plan_for_budget(graph: Graph, budget_bytes: int | str, *, importance: dict |
                 batch_windows=batch_windows, micro_batch_windows=batch_windows, n_windows=n_windows,
                 optimizer=optimizer)
     chains: dict = {}
-    results = []
-    for m in sizes:
+
+    def solve(m: int, cache_only: bool = False):
         problem = build_problem(graph, units, cost, micro_batch_windows=m, n_windows=n_windows, optimizer=optimizer,
                                 allow_cache=allow_cache, allow_remat=allow_remat, _chain_cache=chains)
+        if cache_only:
+            keep = [j for j, c in enumerate(problem.configs) if c.cache_features]
+            problem = replace(problem, configs=tuple(problem.configs[j] for j in keep),
+                              opt_fixed=tuple(problem.opt_fixed[j] for j in keep))
         for slack in (0, 8, 64):  # the solvers see real-valued byte sums; predict rounds up
             sel = select_milp(problem, budget - slack) if solver == "milp" else None
             if sel is None:
                 sel = select_greedy(problem, budget - slack)
             if sel is None:
-                break
+                return None
             plan, remat = _plan_from_selection(graph, problem, sel, base)
             if remat:
                 plan = _with_remat(graph, plan, cost, budget, minimal=False) or plan
             if predict(graph, plan, cost).peak_bytes <= budget:
-                results.append((sel.importance, m, plan))
-                break
+                return sel.importance, plan
+        return None
+
+    results = [(r[0], m, r[1]) for m in sizes if (r := solve(m)) is not None]
     if not results:
         need, where = _smallest(graph, units, cost, n_windows, optimizer, replace(base, micro_batch_windows=1),
                                 allow_cache, allow_remat)
         raise NoFeasiblePlan(max(need, budget + 1), budget, where)
     best = max(r[0] for r in results)
-    for value, m, plan in results:  # largest micro-batch first
-        if value >= (1.0 - importance_tolerance) * best:
-            return _finish(graph, plan, budget, cost)
-    raise AssertionError("unreachable")
+    value, m, plan = next(r for r in results if r[0] >= (1.0 - importance_tolerance) * best)  # largest micro first
+    if allow_cache and not plan.cache_features:
+        # Caching runs the prefix once per call instead of every epoch: worth a little importance.
+        cached = solve(m, cache_only=True)
+        if cached is not None and cached[0] >= (1.0 - importance_tolerance) * best:
+            plan = cached[1]
+    return _finish(graph, plan, budget, cost)
 
 
 def replan(graph: Graph, plan: Plan, n_windows: int, budget_bytes: int | None = None, *,

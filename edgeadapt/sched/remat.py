@@ -28,7 +28,7 @@ import numpy as np
 from .cost import ActivationArrays, activation_arrays
 from .ir import Graph
 
-__all__ = ["Chain", "chain_from_graph", "chain_peak", "chain_flops", "min_flops_schedule", "min_peak_schedule",
+__all__ = ["Chain", "chain_from_graph", "chain_peak", "chain_flops", "min_flops_schedule", "min_peak", "min_peak_schedule",
            "sqrt_schedule", "brute_force_schedule"]
 
 _NONE = -1  # tail_bwd when no op after the last candidate needs a gradient
@@ -275,21 +275,28 @@ def _feasible(chain: Chain, limit: int) -> bool:
     return best[m + 1] < math.inf
 
 
-def min_peak_schedule(chain: Chain, max_front: int | None = 64) -> tuple[int, tuple[bool, ...]]:
-    """The smallest achievable peak and the least-FLOPs choice that reaches it (see
-    :func:`min_flops_schedule` for ``max_front``)."""
+def min_peak(chain: Chain, rel_tol: float = 0.0) -> int:
+    """The smallest achievable peak (bisection over the limit with a feasibility DP); with
+    ``rel_tol`` > 0 a feasible limit at most that fraction above it (fewer bisection steps)."""
     m = len(chain)
     lo = max([chain.tail_fwd, chain.tail_bwd, *chain.fwd, *(s + b for s, b in zip(chain.saved, chain.bwd))], default=0)
     hi = chain_peak(chain, (False,) * m)
-    while lo < hi:
+    while lo < hi and hi - lo > rel_tol * hi:
         mid = (lo + hi) // 2
         if _feasible(chain, mid):
             hi = mid
         else:
             lo = mid + 1
-    schedule = min_flops_schedule(chain, lo, max_front, None)
-    assert schedule is not None  # lo is feasible by construction
-    return lo, schedule
+    return hi
+
+
+def min_peak_schedule(chain: Chain, max_front: int | None = 64) -> tuple[int, tuple[bool, ...]]:
+    """The smallest achievable peak and the least-FLOPs choice that reaches it (see
+    :func:`min_flops_schedule` for ``max_front``)."""
+    low = min_peak(chain)
+    schedule = min_flops_schedule(chain, low, max_front, None)
+    assert schedule is not None  # low is feasible by construction
+    return low, schedule
 
 
 def sqrt_schedule(chain: Chain) -> tuple[bool, ...]:

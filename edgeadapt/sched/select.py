@@ -24,7 +24,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from .cost import CostModel, activation_arrays, clean_cut, live_bytes
 from .ir import Graph
-from .remat import chain_from_graph, chain_peak, min_peak_schedule
+from .remat import chain_from_graph, chain_peak, min_peak
 
 __all__ = ["Unit", "Config", "Selection", "SelectionProblem", "candidate_units", "build_problem", "select_milp", "select_greedy",
            "select_brute_force", "selection_peak"]
@@ -182,7 +182,8 @@ def build_problem(graph: Graph, units: tuple[Unit, ...], cost: CostModel, *, mic
                 arr = activation_arrays(graph, later, start)
                 chain = chain_from_graph(graph, arr)
                 keep = chain_peak(chain, (False,) * len(chain))
-                low = min_peak_schedule(chain)[0] if allow_remat and len(chain) else keep
+                # A feasible limit within 2% of the least (the table is an upper bound anyway).
+                low = min_peak(chain, rel_tol=0.02) if allow_remat and len(chain) else keep
                 chain_cache[key] = (keep, low, sum(arr.grad))
             keep, low, n_grad = chain_cache[key]
             session_fixed = cost.session_overhead_bytes + cost.grad_op_bytes * n_grad

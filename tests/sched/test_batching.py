@@ -16,7 +16,8 @@ COST = CostModel(session_overhead_bytes=64, per_window_bytes=4, grad_op_bytes=16
 
 
 def test_micro_batch_sizes():
-    assert micro_batch_sizes(8) == [8, 4, 3, 2, 1]
+    assert micro_batch_sizes(8) == [8, 4, 2, 1]
+    assert micro_batch_sizes(30) == [30, 15, 8, 4, 2, 1]
     assert micro_batch_sizes(1) == [1]
 
 
