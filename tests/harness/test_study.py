@@ -38,3 +38,27 @@ def test_pretraining_is_deterministic_in_the_seed():
     torch.manual_seed(12345)  # the global generator's state must not matter
     b = pretrain_source("cnn", split, epochs=1, seed=3)
     assert all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_learning_rates_are_chosen_on_source_subjects_only(tmp_path, monkeypatch):
+    from edgeadapt.harness import study
+
+    ds = make_synthetic(SyntheticConfig(n_subjects=4, windows_per_subject=48, n_time_steps=64))
+    seen: list[int] = []
+    make = study.make_split
+
+    def spying_split(data, target_subject, *args, **kwargs):
+        seen.append(int(target_subject))
+        assert 3 not in set(data.subject.tolist())  # the held-out subject's windows are gone before any split
+        return make(data, target_subject, *args, **kwargs)
+
+    monkeypatch.setattr(study, "make_split", spying_split)
+    chosen = study.select_learning_rates(ds, 3, ["last-layer", "bn-stats"], "cnn", workdir=tmp_path,
+                                         validation_subjects=1, grid=(1e-3, 3e-2), k_per_class=2, epochs=2,
+                                         pretrain_epochs=1, seed=0)
+    assert set(chosen) == {"last-layer"}  # bn-stats trains nothing: no rate to choose
+    sel = chosen["last-layer"]
+    assert seen == list(sel.validation_subjects) and len(seen) == 1 and seen[0] in (0, 1, 2)
+    assert sel.grid == (1e-3, 3e-2) and len(sel.mean_accuracy) == 2
+    best = max(sel.mean_accuracy)
+    assert sel.lr == min(g for g, a in zip(sel.grid, sel.mean_accuracy) if a == best)
