@@ -17,8 +17,8 @@ For each target subject of the dataset (one *fold*):
    target at the chosen rate in a fresh torch-free process (``edgeadapt.harness.adapt_job``),
    which reports accuracy on the target's evaluation windows before and after, the trained
    elements and memory over the loaded runner (docs/design.md, "Measuring"): the peak of one
-   training step and of the whole adapt call (which also holds the per-epoch rollback
-   checkpoint), each total (VmHWM) and anonymous-only (sampled RssAnon).
+   training step and of the whole adapt call (which also opens the training session and holds
+   the rollback copy of the trained values), each total (VmHWM) and anonymous-only (sampled RssAnon).
 
 Methods (``study.METHODS``, the one registry): ``source-only`` (the pretrained model unchanged =
 ``accuracy_before``), ``last-layer``, ``bias-norm`` (biases + norm affine), ``bn-stats``
@@ -206,7 +206,8 @@ def _markdown(result: dict) -> str:
         "gradients + AdamW moments add 3x that.",
         "Memory over the adaptation process with the model loaded (torch-free runner, CPU), median over "
         "subjects: *step peak* = the largest high-water mark of a single training step; *adapt-call peak* = "
-        "the high-water mark of the whole adapt call (it also holds the per-epoch rollback checkpoint); "
+        "the high-water mark of the whole adapt call (it also opens the training session and holds the rollback "
+        "copy of the trained values); "
         "*total* = resident memory (VmHWM), *anon* = anonymous memory only (sampled RssAnon, no library code"
         + (f" or file pages); loaded baseline median {statistics.median(base) / MB:.0f} MB." if base else ")."),
         "bn-stats runs its bundle (last layer trainable) at learning rate 0: it trains no parameter, only "
