@@ -183,7 +183,8 @@ class Runner:
         """
         step_lr = check_learning_rate(self.learning_rate if lr is None else lr)
         micro = self._micro_batch(micro_batch, len(x))
-        return self._step(x, y, step_lr, micro)
+        # x is model input; with a prefix model the training graph takes the prefix's features.
+        return self._step(suffix_inputs(self._prefix, x, micro), y, step_lr, micro)
 
     def _micro_batch(self, micro_batch: int | None, batch_size: int) -> int:
         """Windows per forward/backward: ``micro_batch``, else the plan's, else the batch."""
