@@ -28,6 +28,7 @@ Usage::
 
     .venv/bin/python benchmarks/calibrate_cost.py                 # CNN, 8 x 256, batch 30
     .venv/bin/python benchmarks/calibrate_cost.py --out /tmp/c.json --fit total
+    .venv/bin/python benchmarks/calibrate_cost.py --model transformer --check   # shipped constants vs measured
 """
 
 from __future__ import annotations
@@ -139,6 +140,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1, help="fresh processes per plan (median)")
     p.add_argument("--fit", choices=("anon", "total"), default="anon")
+    p.add_argument("--check", action="store_true",
+                   help="only compare the packaged constants' predictions with the measurements")
     p.add_argument("--no-conservative", dest="conservative", action="store_false",
                    help="keep the least-squares overhead (default: raise it so that no plan is under-predicted)")
     p.add_argument("--out", type=Path, default=ROOT / "edgeadapt" / "sched" / "cost_model.json")
@@ -164,6 +167,16 @@ def main(argv=None) -> int:
                          "graph": graph, "plan": plan, "call_peak_bytes": total, "call_peak_anon_bytes": anon})
             log.info("%-10s micro %2d cache %d: measured total %9d anon %9d", policy, micro, plan.cache_features,
                      total, anon)
+
+    if args.check:  # how well the packaged constants predict this model: no fit, nothing written
+        shipped = CostModel.default()
+        for r in rows:
+            pred = predict(r["graph"], r["plan"], shipped).peak_bytes
+            log.info("%-10s micro %2d cache %d: predicted %9d, measured anon %9d (%+.0f%%), total %9d (%+.0f%%)",
+                     r["policy"], r["micro_batch_windows"], r["cache_features"], pred, r["call_peak_anon_bytes"],
+                     100 * (pred / r["call_peak_anon_bytes"] - 1), r["call_peak_bytes"],
+                     100 * (pred / r["call_peak_bytes"] - 1))
+        return 0
 
     fits = {}
     for figure, key in (("total", "call_peak_bytes"), ("anon", "call_peak_anon_bytes")):

@@ -15,8 +15,12 @@ train only if the chosen configuration's first op is at or before its op);
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
+import sys
+import tempfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -248,6 +252,30 @@ def select_greedy(problem: SelectionProblem, budget_bytes: int) -> Selection | N
                      sum(problem.units[u].importance for u in chosen_t))
 
 
+@contextlib.contextmanager
+def _native_stdout_to_log():
+    """Route what the HiGHS C++ solver prints on file descriptor 1 into this module's debug log
+    (some HiGHS builds print internal diagnostics even with output switched off)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # no real stdout (captured): nothing to route
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(fd)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), fd)
+        try:
+            yield
+        finally:
+            os.dup2(saved, fd)
+            os.close(saved)
+            sink.seek(0)
+            text = sink.read().decode(errors="replace").strip()
+            if text:
+                log.debug("HiGHS output: %s", text)
+
+
 def select_milp(problem: SelectionProblem, budget_bytes: int, time_limit_s: float = 10.0) -> Selection | None:
     """Maximise total importance within ``budget_bytes`` exactly (``scipy.optimize.milp``).
 
@@ -284,9 +312,10 @@ def select_milp(problem: SelectionProblem, budget_bytes: int, time_limit_s: floa
         row[i] = 1.0
         row[nu:] = -(first <= u.op_index).astype(np.float64)
         rows.append(row); lb.append(-np.inf); ub.append(0.0)
-    res = milp(c_obj, constraints=LinearConstraint(np.array(rows), lb, ub),
-               integrality=np.ones(nu + nc), bounds=Bounds(0, 1),
-               options={"time_limit": time_limit_s, "mip_rel_gap": 1e-9})
+    with _native_stdout_to_log():
+        res = milp(c_obj, constraints=LinearConstraint(np.array(rows), lb, ub),
+                   integrality=np.ones(nu + nc), bounds=Bounds(0, 1),
+                   options={"time_limit": time_limit_s, "mip_rel_gap": 1e-9})
     if res.x is None:
         if res.status not in (2,):  # 2: infeasible
             log.warning("MILP update selection stopped without a solution (%s)", res.message)

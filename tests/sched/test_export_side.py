@@ -127,3 +127,17 @@ def test_importance_drives_selection_on_cnn():
     assert all(np.asarray(v).shape == (g.param(n).out_channels,) for n, v in imp.items())
     plan = plan_for_budget(g, "256KiB", importance=imp, batch_windows=8, n_windows=32, cost=CostModel())
     assert plan.predicted.peak_bytes <= 256 * 1024 and plan.trained
+
+
+def test_policy_resolves_the_same_on_the_graph_and_on_the_module():
+    model, module, g, _ = _graph("cnn")
+    policy = UpdatePolicy.parse("blocks.2.conv=channels:0.25,blocks.3.*=bias,head=full")
+    weights = {n: p.detach().numpy() for n, p in module.named_parameters()}
+    plan = plan_from_policy(g, policy, weights=weights)
+    prepared = prepare_model(model, policy)
+    entries = {e.name: e for e in prepared.entries}
+    for pp in plan.params:
+        assert (entries[pp.name].trainable_numel > 0) == pp.trains, pp.name
+        if pp.mode is Mode.CHANNELS:
+            assert prepared.trained_channels[pp.name] == pp.channels
+    assert entries["blocks.3.bn.bias"].mode == "bias" and plan.param("blocks.3.bn.bias").mode is Mode.FULL
