@@ -272,7 +272,8 @@ def _add_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="steps between checkpoints (default 0: only at the end)")
     p.add_argument("--hold-out-subject", type=int, default=None,
-                   help="biosignal data: leave this subject out and write its windows to held_out.npz")
+                   help="biosignal data: leave this subject out; write 5 of its windows per class to "
+                        "held_out_adapt.npz and the others to held_out_eval.npz")
     p.add_argument("--context-len", type=int, default=None, help="GPT: tokens per sequence (default: the preset's)")
     p.add_argument("--n-layers", type=int, default=None, help="GPT: decoder blocks (default: the preset's)")
     p.add_argument("--d-model", type=int, default=None, help="GPT: width (default: the preset's)")

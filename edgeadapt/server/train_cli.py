@@ -9,7 +9,8 @@ run directory (``--checkpoint-dir``) holds::
     state/rank0/       the offload tier's files (``--offload disk``)
     weights.pt         the final state_dict, for ``edgeadapt export --weights``
     model.json         how to rebuild the model (factory and keyword arguments)
-    held_out.npz       the windows of ``--hold-out-subject`` (a "new person" to adapt to)
+    held_out_adapt.npz ``--hold-out-subject``'s windows, 5 labelled per class, to adapt on (a new person)
+    held_out_eval.npz  that subject's other windows, disjoint from those, to evaluate on
 
 Multi-rank checkpoints: every rank holds an identical replica (same start, same averaged
 gradients, same optimizer arithmetic), so after a barrier rank 0 alone writes the checkpoint
@@ -36,6 +37,7 @@ import numpy as np
 import torch
 
 from ..atomic import atomic_path, atomic_write_json
+from ..datasets import few_shot_split
 from ..models import GPT_PRESETS, build_gpt, build_model
 from ..sched.plan import format_bytes, parse_bytes
 from .data import TokenArray, TokenStream, WindowSource, load_windows
@@ -46,6 +48,7 @@ __all__ = ["cmd_train", "load_trained"]
 logger = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
+HOLD_OUT_K_PER_CLASS = 5
 
 
 # ---- model and data ---------------------------------------------------------------------
@@ -72,9 +75,12 @@ def _build(args: argparse.Namespace, ctx: DistContext) -> tuple[torch.nn.Module,
         raise ValueError(f"--model {args.model} trains on labelled windows: give --data synthetic|watch|FILE.npz|FILE.csv")
     train, held_out = load_windows(args.data, hold_out_subject=args.hold_out_subject)
     if held_out is not None and ctx.is_main:
-        out = Path(args.checkpoint_dir) / "held_out.npz"
-        held_out.save_npz(out)
-        logger.info("wrote subject %d's %d windows to %s", args.hold_out_subject, len(held_out.X), out)
+        shot = few_shot_split(held_out, args.hold_out_subject, k_per_class=HOLD_OUT_K_PER_CLASS, seed=args.seed)
+        run_dir = Path(args.checkpoint_dir)
+        held_out.subset(shot.adapt_idx).save_npz(run_dir / "held_out_adapt.npz")
+        held_out.subset(shot.eval_idx).save_npz(run_dir / "held_out_eval.npz")
+        logger.info("subject %d: %d windows to adapt on, %d to evaluate on, in %s", args.hold_out_subject,
+                    len(shot.adapt_idx), len(shot.eval_idx), run_dir)
     n_channels, n_time_steps = int(train.X.shape[1]), int(train.X.shape[2])
     kwargs = {"name": args.model, "n_channels": n_channels, "n_classes": int(train.n_classes),
               "n_time_steps": n_time_steps}
