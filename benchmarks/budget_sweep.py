@@ -514,12 +514,12 @@ def memory_markdown(res: dict[str, Any]) -> str:
             f"{fmt_bytes(eager['call_peak_anon_bytes'])}).",
             "",
             "| budget | trains (elements) | micro-batch | cut (cached) | recompute | predicted | call total | call anon "
-            "| step total | step anon | pred/meas | torch/runner total | torch/runner anon |",
-            "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+            "| step total | step anon | pred/meas | anon/budget | torch/runner total | torch/runner anon |",
+            "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
         ]
         for r in m["rows"]:
             if "error" in r:
-                lines.append(f"| {fmt_bytes(r['budget_bytes'])} | error: {r['error'][:160]} |" + " |" * 11)
+                lines.append(f"| {fmt_bytes(r['budget_bytes'])} | error: {r['error'][:160]} |" + " |" * 12)
                 continue
             lines.append(
                 f"| {fmt_bytes(r['budget_bytes'])} | {r['trainable_numel']:,} | {r['micro_batch_windows']} | "
@@ -527,9 +527,15 @@ def memory_markdown(res: dict[str, Any]) -> str:
                 f"{fmt_bytes(r['predicted_peak_bytes'])} | {fmt_bytes(r['call_peak_bytes'])} | "
                 f"{fmt_bytes(r['call_peak_anon_bytes'])} | {fmt_bytes(r['step_peak_bytes'])} | "
                 f"{fmt_bytes(r['step_peak_anon_bytes'])} | {_x(r['predicted_over_measured'], 2)} "
-                f"({_x(r['predicted_over_measured_anon'], 2)}) | {_x(r['torch_over_runner'])} | "
+                f"({_x(r['predicted_over_measured_anon'], 2)}) | "
+                f"{_x(ratio(r['call_peak_anon_bytes'], r['budget_bytes']), 2)} | {_x(r['torch_over_runner'])} | "
                 f"{_x(r['torch_over_runner_anon'])} |")
-        lines.append("")
+        ok = [r for r in m["rows"] if "error" not in r]
+        close = sum(1 for r in ok if abs(r["predicted_over_measured_anon"] - 1) <= 0.15)
+        kept = sum(1 for r in ok if r["call_peak_anon_bytes"] <= r["budget_bytes"])
+        lines += ["", f"{name}: predicted within +-15% of the measured anonymous call peak at {close} of {len(ok)} "
+                      f"budgets; the measured anonymous call peak stayed within the budget at {kept} of {len(ok)}; "
+                      f"{len(m['rows']) - len(ok)} export(s) failed.", ""]
     lines += ["**Planner time** (this machine, shared; one run each):", ""]
     c = res["chain"]
     lines.append(f"- remat DP on a {c['n_ops']}-op chain: least peak {c['min_peak_s'] * 1e3:.0f} ms "
@@ -706,22 +712,27 @@ def loso_markdown(res: dict[str, Any]) -> str:
         f"RssAnon). Torch eager full fine-tuning, same batch and epochs, whole loop: {fmt_bytes(e['call_peak_bytes'])} "
         f"total, {fmt_bytes(e['call_peak_anon_bytes'])} anon.",
         "",
-        "| method | mean acc | worst acc (subj) | vs full (points) | trains (el.) | predicted | call total | call anon "
-        "| torch/runner total | torch/runner anon |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| method | subjects | mean acc | worst acc (subj) | vs full (points) | trains (el.) | predicted | call total "
+        "| call anon | torch/runner total | torch/runner anon |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for m, s in lo["summary"].items():
         if not s.get("n_subjects"):
-            lines.append(f"| {m} | failed: {'; '.join(s.get('errors', []))[:200]} |" + " |" * 8)
+            lines.append(f"| {m} | 0 | failed: {'; '.join(s.get('errors', []))[:200]} |" + " |" * 8)
             continue
         vs = s["vs_full_points"]
         lines.append(
-            f"| {m} | {s['mean_accuracy']:.3f} | {s['worst_accuracy']:.3f} ({s['worst_subject']}) | "
+            f"| {m} | {s['n_subjects']}{'*' if s['errors'] else ''} | {s['mean_accuracy']:.3f} | "
+            f"{s['worst_accuracy']:.3f} ({s['worst_subject']}) | "
             f"{'-' if vs is None else f'{vs:+.1f}'} | "
             f"{_count(s['median_trainable_numel'])} | "
             f"{fmt_bytes(s['median_predicted_peak_bytes'])} | {fmt_bytes(s['median_call_peak_bytes'])} | "
             f"{fmt_bytes(s['median_call_peak_anon_bytes'])} | {_x(s['torch_over_runner'])} | "
             f"{_x(s['torch_over_runner_anon'])} |")
+    failed = {m: s["errors"] for m, s in lo["summary"].items() if s.get("errors")}
+    if failed:
+        lines += ["", "\\* some subjects failed (not in the mean): "
+                  + "; ".join(f"{m}: {len(e)}x {e[0][:240]}" for m, e in failed.items())]
     lines += ["", f"Total time {lo['time_s'] / 60:.1f} min; load average at start {res['loadavg_start'][0]:.1f}."]
     return "\n".join(lines) + "\n"
 
