@@ -148,6 +148,8 @@ class StreamingExecutor:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgeadapt-prefetch")
         self._updater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgeadapt-update")
         self._pending: list[Future] = []
+        # the disk tier's update reads and writes its vectors (weights, moments) concurrently
+        self._io = ThreadPoolExecutor(max_workers=3, thread_name_prefix="edgeadapt-io")
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.set_plan(plan)
         self._originals: dict[int, Callable] = {}
@@ -416,7 +418,8 @@ class StreamingExecutor:
                 # the staged vectors plus one chunk-sized temporary of the foreach AdamW (its sqrt)
                 self.ledger.reserve(f"staging:{slot.name}", 4 * (b - a) * (len(kinds) + 1))
             try:
-                bufs = {k: self.store.read_range(slot.index, k, a, b - a) for k in kinds}
+                futs = {k: self._io.submit(self.store.read_range, slot.index, k, a, b - a) for k in kinds}
+                bufs = {k: f.result() for k, f in futs.items()}
                 pieces: dict[str, list[torch.Tensor]] = {k: [] for k in kinds}
                 gp, sp = [], []
                 for j, i in enumerate(present):
@@ -431,8 +434,8 @@ class StreamingExecutor:
                 if gp:
                     update_block(self.optimizer, pieces["param"], gp,
                                  {k: pieces[k] for k in self.optimizer.state_kinds}, sp, lr=self.lr)
-                    for k in kinds:
-                        self.store.write_range(slot.index, k, a, bufs[k])
+                    for f in [self._io.submit(self.store.write_range, slot.index, k, a, bufs[k]) for k in kinds]:
+                        f.result()
                 del bufs, pieces
             finally:
                 self.ledger.release(f"staging:{slot.name}")
@@ -441,6 +444,7 @@ class StreamingExecutor:
         self.wait_updates()
         self._pool.shutdown(wait=True)
         self._updater.shutdown(wait=True)
+        self._io.shutdown(wait=True)
 
 
 class _Call:
