@@ -29,7 +29,8 @@ Four parts, each printed as a table and written to ``--out`` (``budget_*.json/.m
    pretrained per fold on the source subjects (``edgeadapt.harness.study.make_split`` /
    ``pretrain_source``), ``--k-per-class`` labelled target windows per class to adapt on, the
    target's other windows to evaluate. Each budget of a ladder made on the watch CNN's graph
-   (the planner's own choice of what trains) runs next to the hand-written presets
+   (the planner's own choice of what trains, by the empirical Fisher importance measured on
+   labelled source-subject windows of the fold) runs next to the hand-written presets
    (last-layer, bias-norm, sparse, full), every adaptation in a fresh torch-free process that
    also measures the whole-call peak; torch eager full fine-tuning on the watch shape is
    measured once for the ratio column. Learning rate: fixed in advance (``--lr``, default
@@ -79,6 +80,8 @@ PRESETS = ("last-layer", "bias-norm", "sparse", "full")
 # RssAnon sampling interval of the torch worker (the runner's AdaptResult samples every 1 ms too).
 ANON_INTERVAL_S = 0.001
 WEIGHT_DECAY = 0.01
+# Labelled source-subject windows per fold on which the planner's importance is measured.
+IMPORTANCE_WINDOWS = 128
 
 
 # ------------------------------------------------------------------------------------------
@@ -373,15 +376,18 @@ def plan_summary(plan: dict[str, Any]) -> dict[str, Any]:
 
 
 def export_bundle_at(model, example, out: Path, *, lr: float, budget: int | None = None, policy: str | None = None,
-                     n_windows: int, batch_windows: int, batchnorm: str = "frozen") -> tuple[dict[str, Any], float]:
-    """Export ``model`` under ``budget`` (the planner picks what trains) or with ``policy``
-    (an ``UpdatePolicy.parse`` spec, no budget); returns the manifest as JSON and the export time."""
+                     n_windows: int, batch_windows: int, batchnorm: str = "frozen",
+                     importance: dict | None = None) -> tuple[dict[str, Any], float]:
+    """Export ``model`` under ``budget`` (the planner picks what trains, by ``importance``;
+    default: the exporter measures it on ``example``) or with ``policy`` (an
+    ``UpdatePolicy.parse`` spec, no budget); returns the manifest as JSON and the export time."""
     from edgeadapt.export import OptimizerConfig, UpdatePolicy, export_bundle
 
     t0 = time.perf_counter()
+    extra = {} if importance is None else {"importance": importance}
     export_bundle(model, example, out, policy=None if policy is None else UpdatePolicy.parse(policy),
                   memory_budget=budget, n_windows=n_windows, batch_windows=batch_windows, batchnorm=batchnorm,
-                  optimizer=OptimizerConfig("adamw", lr=lr, weight_decay=WEIGHT_DECAY))
+                  optimizer=OptimizerConfig("adamw", lr=lr, weight_decay=WEIGHT_DECAY), **extra)
     return json.loads((out / "manifest.json").read_text()), time.perf_counter() - t0
 
 
@@ -635,12 +641,14 @@ def loso_sweep(args, work: Path) -> dict[str, Any]:
         adapt_path, eval_path = save_target_data(split, fold)
         ex = torch.from_numpy(split.target_adapt.X[:2])
         n_adapt = int(len(split.target_adapt.y))
+        importance = source_importance(model, split, ex, args.seed, target)
         for mi, method in enumerate(methods):
             bdir = fold / f"m{mi}"
             try:
                 if mi < len(budgets):
                     manifest, _ = export_bundle_at(model, ex, bdir / "bundle", lr=args.lr, budget=budgets[mi],
-                                                   n_windows=n_adapt, batch_windows=args.loso_batch)
+                                                   n_windows=n_adapt, batch_windows=args.loso_batch,
+                                                   importance=importance)
                 else:
                     spec = METHODS[method].policy_for("cnn")
                     manifest, _ = export_bundle_at(model, ex, bdir / "bundle", lr=args.lr, policy=spec,
@@ -665,6 +673,24 @@ def loso_sweep(args, work: Path) -> dict[str, Any]:
     summary = loso_summary(rows, ["source-only", *methods], eager)
     return {"subjects": subjects, "n_adapt_windows": n_windows, "ladder": ladder, "torch_eager": eager,
             "methods": methods, "rows": rows, "summary": summary, "time_s": time.perf_counter() - t_start}
+
+
+def source_importance(model, split, example, seed: int, target: int, n_windows: int = IMPORTANCE_WINDOWS):
+    """Empirical Fisher importance of ``model``'s parameters on ``n_windows`` labelled
+    source-subject training windows of the fold (seeded choice), for the planner's selection:
+    what trains under a budget is decided on source data only."""
+    import numpy as np
+    import torch
+
+    from edgeadapt.export.importance import measure_importance
+    from edgeadapt.export.planning import model_graph
+
+    graph, _ = model_graph(model, example, "frozen")
+    src = split.source_train
+    idx = np.sort(np.random.default_rng([seed, target]).choice(len(src.y), size=min(n_windows, len(src.y)),
+                                                                replace=False))
+    return measure_importance(model, torch.from_numpy(src.X[idx]), graph, labels=torch.from_numpy(src.y[idx]),
+                              batch_windows=32, max_batches=math.ceil(len(idx) / 32))
 
 
 def loso_summary(rows: list[dict[str, Any]], methods: list[str], eager: dict[str, Any]) -> dict[str, dict]:
@@ -707,7 +733,8 @@ def loso_markdown(res: dict[str, Any]) -> str:
         "",
         f"Command: `{res['command']}`",
         "",
-        "Budget rows: `export_bundle(memory_budget=B)` on each fold's pretrained CNN, the planner choosing what trains; "
+        "Budget rows: `export_bundle(memory_budget=B)` on each fold's pretrained CNN, the planner choosing what trains "
+        f"by importance measured on {IMPORTANCE_WINDOWS} labelled source-subject windows of the fold (empirical Fisher); "
         "preset rows: hand-written policies (no budget). Each adaptation ran in a fresh torch-free process; memory = "
         "median over subjects of the measured whole adapt call over the loaded runner (total VmHWM delta / anon "
         f"RssAnon). Torch eager full fine-tuning, same batch and epochs, whole loop: {fmt_bytes(e['call_peak_bytes'])} "
