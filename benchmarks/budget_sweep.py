@@ -559,6 +559,15 @@ def memory_markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _log_ticks(axis) -> None:
+    """Log-scale ticks at 1, 2 and 5 per decade, written as plain numbers."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
 def plot_memory(res: dict[str, Any], path: Path) -> None:
     """Per model: predicted and measured whole-call peaks against the budget (log-log), torch eager as a line."""
     import matplotlib
@@ -584,6 +593,7 @@ def plot_memory(res: dict[str, Any], path: Path) -> None:
         ax.axhline(e["call_peak_anon_bytes"] / KIB, color="tab:orange", ls="--", label="torch eager full FT, anon")
         ax.set_xscale("log")
         ax.set_yscale("log")
+        _log_ticks(ax.xaxis)
         ax.set_xlabel("budget (KiB)")
         ax.set_ylabel("whole adapt call peak (KiB over loaded)")
         ax.set_title(name)
@@ -796,7 +806,8 @@ def plot_loso(res: dict[str, Any], path: Path) -> None:
     ax.scatter([], [], marker="s", color="tab:orange", label="hand-written preset")
     ax.scatter([], [], marker="v", color="gray", alpha=0.4, label="worst subject")
     ax.set_xscale("log")
-    ax.set_xlabel("measured whole adapt-call peak, KiB over the loaded runner (median over subjects)")
+    _log_ticks(ax.xaxis)
+    ax.set_xlabel("measured whole adapt-call peak (total, VmHWM), KiB over the loaded runner, median over subjects")
     ax.set_ylabel("mean target accuracy")
     cfg = res["config"]
     ax.set_title(f"watch LOSO, cnn, {len(res['loso']['subjects'])} subjects, k={cfg['k_per_class']}, "
