@@ -181,7 +181,8 @@ def live_bytes(graph: Graph) -> list[int]:
 
 
 def clean_cut(graph: Graph, cut: int) -> bool:
-    """True when nothing after op ``cut`` reads the model input or an op before ``cut``.
+    """True when nothing after op ``cut`` reads the model input or an op before ``cut``, and no
+    op before ``cut`` leaves an output nobody reads.
 
     Only at such a cut can the prefix run as a separate inference model whose one output
     (the features) feeds the rest.
@@ -191,7 +192,9 @@ def clean_cut(graph: Graph, cut: int) -> bool:
     for op in graph.ops[cut + 1:]:
         if not op.inputs or any(graph.op_index(s) < cut for s in op.inputs):
             return False
-    return True
+    # An unread output before the cut would stay alive past it (it lives to the loss).
+    read = {s for op in graph.ops for s in op.inputs}
+    return all(op.name in read or op.output_bytes == 0 for op in graph.ops[:cut])
 
 
 @dataclass(frozen=True)

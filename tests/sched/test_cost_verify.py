@@ -89,3 +89,12 @@ def test_cost_model_constants_ship_with_the_package():
     assert CostModel.from_dict(cost.to_dict()) == cost
     with pytest.raises(ValueError, match="unknown constants"):
         CostModel.from_dict({"nonsense": 1})
+
+
+def test_clean_cut():
+    from edgeadapt.sched.cost import clean_cut
+
+    ops = (Op("a", "X", (), (), 4), Op("b", "X", (), ("a",), 4), Op("c", "X", (), ("b", "a"), 4),
+           Op("d", "X", ("d.w",), ("c",), 4))
+    g = Graph(ops, (Param("d.w", (1,), module="d"),), 4, "skip")
+    assert [clean_cut(g, c) for c in (-1, 0, 1, 2)] == [True, True, False, True]
