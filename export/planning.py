@@ -21,10 +21,12 @@ import torch
 from torch import nn
 
 from ..bundle import ParameterEntry
+from ..sched import plan_for_budget, plan_from_policy, predict, verify
 from ..sched.ir import Graph
 from ..sched.plan import Mode, Plan
 from ..sched.policy import Rule, UpdatePolicy
 from .graph import to_onnx
+from .importance import measure_importance
 from .prepare import prepare_model
 from .split import CutError, SplitModel, split_model
 
@@ -41,13 +43,6 @@ class PlannedExport:
 
     graph: Graph | None
     plan: Plan | None
-
-
-def _sched():
-    # Imported here: the planner lands beside the exporter and is only needed once an export runs.
-    from .. import sched
-
-    return sched
 
 
 def model_graph(model: nn.Module, example_input: torch.Tensor, batchnorm: str) -> tuple[Graph, dict[str, np.ndarray]]:
@@ -75,16 +70,15 @@ def clean_cut_before(graph: Graph, cut: int) -> int:
 def _choose_cache(graph: Graph, plan: Plan, cache_features: bool | None) -> Plan:
     """Without a budget: cache the frozen prefix's features (at the latest clean cut) when that
     lowers the predicted peak, or as ``cache_features`` says."""
-    sched = _sched()
     plain = replace(plan, cache_features=False)
-    plain = replace(plain, predicted=sched.predict(graph, plain))
+    plain = replace(plain, predicted=predict(graph, plain))
     cut = clean_cut_before(graph, plan.cut)
     if cut < 0 or cache_features is False:
         if cache_features:
             log.warning("no frozen prefix can run on its own before the first trained op; features are not cached")
         return plain
     cached = replace(plan, cut=cut, cache_features=True)
-    cached = replace(cached, predicted=sched.predict(graph, cached))
+    cached = replace(cached, predicted=predict(graph, cached))
     if cache_features or cached.predicted.peak_bytes < plain.predicted.peak_bytes:
         return cached
     return plain
@@ -106,7 +100,6 @@ def plan_export(model: nn.Module, example_input: torch.Tensor, *, policy: Update
         edgeadapt.sched.NoFeasiblePlan: nothing fits the budget (names the smallest that would).
         edgeadapt.sched.BudgetExceeded: the plan's verified peak is over the budget.
     """
-    sched = _sched()
     try:
         graph, weights = model_graph(model, example_input, batchnorm)
     except ValueError as e:
@@ -115,24 +108,19 @@ def plan_export(model: nn.Module, example_input: torch.Tensor, *, policy: Update
         log.warning("exporting without a memory plan: the model's graph IR cannot be built (%s)", e)
         return PlannedExport(None, None)
     if budget_bytes is None:
-        plan = sched.plan_from_policy(graph, policy or UpdatePolicy.last_layer(), weights=weights,
+        plan = plan_from_policy(graph, policy or UpdatePolicy.last_layer(), weights=weights,
                                       batch_windows=batch_windows, n_windows=n_windows, optimizer=optimizer)
         plan = _choose_cache(graph, plan, cache_features)
     else:
-        if importance is None and policy is None:
-            try:
-                from .importance import measure_importance
-            except ImportError:  # no measured importance: every trained element counts the same
-                measure_importance = None
-            if measure_importance is not None:
-                importance = measure_importance(model, example_input, graph, batchnorm=batchnorm,
-                                                **({"loss": loss} if loss in ("cross_entropy", "mse") else {}))
-        plan = sched.plan_for_budget(graph, budget_bytes, importance=importance, n_windows=n_windows,
+        if importance is None and policy is None:  # empirical Fisher per output channel, on the example
+            importance = measure_importance(model, example_input, graph, batchnorm=batchnorm,
+                                            **({"loss": loss} if loss in ("cross_entropy", "mse") else {}))
+        plan = plan_for_budget(graph, budget_bytes, importance=importance, n_windows=n_windows,
                                      batch_windows=batch_windows, optimizer=optimizer, policy=policy,
                                      weights=weights)
-        sched.verify(graph, plan, budget_bytes)
+        verify(graph, plan, budget_bytes)
     if plan.predicted is None:
-        plan = replace(plan, predicted=sched.predict(graph, plan))
+        plan = replace(plan, predicted=predict(graph, plan))
     return PlannedExport(graph, plan)
 
 
@@ -254,11 +242,10 @@ def cut_model(model_proto: onnx.ModelProto, graph: Graph, plan: Plan, entries: t
                            "as an inference model it would use the running statistics")
     except CutError as e:
         log.warning("not caching the prefix's features (cut after %s): %s", op.name, e)
-        sched = _sched()
         fallback = replace(plan, cache_features=False)
-        fallback = replace(fallback, predicted=sched.predict(graph, fallback))
+        fallback = replace(fallback, predicted=predict(graph, fallback))
         if plan.budget_bytes is not None:
-            sched.verify(graph, fallback, plan.budget_bytes)
+            verify(graph, fallback, plan.budget_bytes)
         return None, fallback
     return split, plan
 
