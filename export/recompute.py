@@ -29,7 +29,7 @@ from collections.abc import Iterable
 
 import onnx
 
-__all__ = ["RECOMPUTE_SUFFIX", "backward_nodes", "recompute_nodes", "apply_recompute"]
+__all__ = ["RECOMPUTE_SUFFIX", "backward_nodes", "recompute_nodes"]
 
 log = logging.getLogger(__name__)
 
@@ -115,24 +115,4 @@ def recompute_nodes(model: onnx.ModelProto, node_names: Iterable[str]) -> list[s
             nodes.append(node)
         del g.node[:]
         g.node.extend(nodes)
-    return done
-
-
-def apply_recompute(model_proto: onnx.ModelProto, plan) -> list[str]:
-    """Carry out a plan's "recompute" activations on a training model (in place).
-
-    Args:
-        model_proto: the training model (``training_model.onnx``).
-        plan: an ``edgeadapt.sched.Plan``; its ``recomputed()`` op names are node names of the
-            exported graph, which the training graph keeps for its forward nodes.
-
-    Returns:
-        The duplicated node names. When it is not empty, the bundle's manifest ``session``
-        must carry ``"disable_cse": true`` (see the module docstring).
-    """
-    names = plan.recomputed()
-    if not names:
-        return []
-    done = recompute_nodes(model_proto, names)
-    log.info("recompute: %d of %d planned nodes duplicated before their backward readers", len(done), len(names))
     return done

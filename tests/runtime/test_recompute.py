@@ -8,7 +8,7 @@ import onnx
 import pytest
 from helpers import make_data
 
-from edgeadapt.export.recompute import RECOMPUTE_SUFFIX, apply_recompute, backward_nodes, recompute_nodes
+from edgeadapt.export.recompute import RECOMPUTE_SUFFIX, backward_nodes, recompute_nodes
 from edgeadapt.runtime.backend import session_options
 from edgeadapt.runtime.ort_import import pybind_state as C
 
@@ -48,18 +48,11 @@ def test_recomputed_forward_nodes_give_bit_identical_loss_and_gradients(cnn_bund
     assert grads.keys() == grads_rc.keys() and all(np.array_equal(grads[k], grads_rc[k]) for k in grads)
 
 
-def test_apply_recompute_takes_the_plans_names_and_refuses_unknown_ones(cnn_bundle):
-    class PlanStub:
-        def __init__(self, names):
-            self.names = names
-
-        def recomputed(self):
-            return self.names
-
+def test_recompute_refuses_unknown_node_names(cnn_bundle):
     model = onnx.load(cnn_bundle / "training_model.onnx")
-    assert apply_recompute(model, PlanStub(())) == []
+    assert recompute_nodes(model, []) == []
     with pytest.raises(ValueError, match="no node named .*no/such/node"):
-        apply_recompute(model, PlanStub(("no/such/node",)))
+        recompute_nodes(model, ["no/such/node"])
 
 
 def test_disable_cse_session_setting():
