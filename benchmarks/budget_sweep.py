@@ -607,8 +607,11 @@ def plot_memory(res: dict[str, Any], path: Path) -> None:
 # ------------------------------------------------------------------------------------------
 # Part 3: accuracy vs budget (watch LOSO)
 # ------------------------------------------------------------------------------------------
-def loso_sweep(args, work: Path) -> dict[str, Any]:
-    """Part 3: per fold, pretrain, then every budget of the ladder and every preset in fresh processes."""
+def loso_sweep(args, work: Path, on_fold=None) -> dict[str, Any]:
+    """Part 3: per fold, pretrain, then every budget of the ladder and every preset in fresh processes.
+
+    ``on_fold(result)``, if given, receives the result so far after every fold (``subjects``:
+    the folds done), so that an interrupted run still leaves its finished folds behind."""
     import torch
 
     from edgeadapt.datasets import load_watch
@@ -680,9 +683,13 @@ def loso_sweep(args, work: Path) -> dict[str, Any]:
         done = [r for r in rows if r["subject"] == target and "accuracy" in r]
         print(f"[{fi + 1}/{len(subjects)}] subject {target} in {time.perf_counter() - t_fold:.0f} s: "
               + ", ".join(f"{r['method']} {r['accuracy']:.3f}" for r in done), flush=True)
-    summary = loso_summary(rows, ["source-only", *methods], eager)
-    return {"subjects": subjects, "n_adapt_windows": n_windows, "ladder": ladder, "torch_eager": eager,
-            "methods": methods, "rows": rows, "summary": summary, "time_s": time.perf_counter() - t_start}
+        result = {"subjects": subjects[:fi + 1], "subjects_planned": subjects, "n_adapt_windows": n_windows,
+                  "ladder": ladder, "torch_eager": eager, "methods": methods, "rows": rows,
+                  "summary": loso_summary(rows, ["source-only", *methods], eager),
+                  "time_s": time.perf_counter() - t_start}
+        if on_fold is not None:
+            on_fold(result)
+    return result
 
 
 def source_importance(model, split, example, seed: int, target: int, n_windows: int = IMPORTANCE_WINDOWS):
@@ -737,7 +744,10 @@ def loso_markdown(res: dict[str, Any]) -> str:
     cfg, lo = res["config"], res["loso"]
     e = lo["torch_eager"]
     lines = [
-        f"### Accuracy vs memory budget, LOSO watch / cnn: {len(lo['subjects'])} subjects, k={cfg['k_per_class']} per "
+        f"### Accuracy vs memory budget, LOSO watch / cnn: {len(lo['subjects'])} subjects"
+        + (f" (of {len(lo['subjects_planned'])} planned; run in progress or interrupted)"
+           if len(lo.get("subjects_planned", lo["subjects"])) > len(lo["subjects"]) else "")
+        + f", k={cfg['k_per_class']} per "
         f"class ({lo['n_adapt_windows']} windows), batch {cfg['loso_batch']}, {cfg['loso_epochs']} epochs, "
         f"learning rate {cfg['lr']:g} FIXED IN ADVANCE for every row (not tuned on any subject)",
         "",
@@ -903,12 +913,17 @@ def main(argv: list[str] | None = None) -> int:
             print("\n" + md + f"wrote {stem}.json / .md / .png", flush=True)
         if args.loso:
             (work / "loso").mkdir()
-            res = {**base, "loso": loso_sweep(args, work / "loso")}
             stem = args.out / f"budget_loso_watch{args.tag}{'_quick' if args.quick else ''}"
-            atomic_write_json(f"{stem}.json", res)
-            md = loso_markdown(res)
-            atomic_write_bytes(f"{stem}.md", md.encode())
-            plot_loso(res, Path(f"{stem}.png"))
+
+            def publish(lo: dict[str, Any]) -> str:
+                res = {**base, "loso": lo}
+                atomic_write_json(f"{stem}.json", res)
+                md = loso_markdown(res)
+                atomic_write_bytes(f"{stem}.md", md.encode())
+                plot_loso(res, Path(f"{stem}.png"))
+                return md
+
+            md = publish(loso_sweep(args, work / "loso", on_fold=publish))
             print("\n" + md + f"wrote {stem}.json / .md / .png", flush=True)
     return 0
 
