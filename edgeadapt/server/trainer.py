@@ -40,6 +40,7 @@ from ..sched.errors import BudgetExceeded
 from ..sched.offload import plan_offload
 from ..sched.plan import Plan, format_bytes, parse_bytes
 from . import checkpoint as _ckpt
+from .allocator import set_mmap_threshold
 from .executor import StreamingExecutor
 from .optim import OptimizerSpec, as_optimizer_spec
 from .residency import MemoryLedger, Residency
@@ -108,6 +109,9 @@ class Trainer:
         prefetch_depth: blocks brought in ahead of use (lowered by the planner if needed).
         update_chunk_numel: the disk tier updates master weights and optimizer state this many
             elements at a time (bounds the staged bytes; the result does not depend on it).
+        malloc_mmap_threshold_bytes: with offload, fix glibc's mmap threshold at this size so
+            that freed blocks return to the OS and the process peak follows the tracked peak
+            (process-wide; see :mod:`edgeadapt.server.allocator`); ``None`` leaves malloc alone.
 
     Raises:
         BudgetExceeded: the budget cannot hold the largest block (named), or one step.
@@ -119,7 +123,7 @@ class Trainer:
                  memory_budget: int | str | None = None, offload: str | None = "host",
                  offload_dir: str | os.PathLike | None = None, device: str = "auto",
                  recompute: bool | str = False, process_group=None, example_input=None, prefetch_depth: int = 1,
-                 update_chunk_numel: int = 1 << 18):
+                 update_chunk_numel: int = 1 << 18, malloc_mmap_threshold_bytes: int | None = 1 << 18):
         if offload not in ("host", "disk", None):
             raise ValueError(f"offload must be 'host', 'disk' or None, got {offload!r}")
         if recompute not in (False, True, "auto"):
@@ -136,6 +140,8 @@ class Trainer:
             self.loss_name, self.loss_fn = getattr(loss, "__name__", "custom"), loss
         self.offload, self.recompute, self.prefetch_depth = offload, recompute, int(prefetch_depth)
         self.chunk_numel = int(update_chunk_numel)
+        if offload is not None and malloc_mmap_threshold_bytes is not None:
+            set_mmap_threshold(malloc_mmap_threshold_bytes)
         self.budget_bytes = None if memory_budget is None else parse_bytes(memory_budget)
         self.ledger = MemoryLedger(self.budget_bytes)
         self.step_count = 0

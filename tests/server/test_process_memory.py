@@ -4,7 +4,9 @@ The ledger tracks every tensor the executor holds (weights, gradients, staged op
 and one update temporary, saved activations, block outputs). What it does not see are
 transients inside one op or block (an intermediate freed before the block returns) and the
 allocator's slack, so the anonymous-memory peak over the model-loaded baseline is allowed 25%
-over the budget; the tracked peak itself must stay under the budget.
+over the budget, in the first step and in later ones; the tracked peak itself must stay under
+the budget. (Without the trainer's fixed malloc mmap threshold, ``edgeadapt.server.allocator``,
+the first step alone left glibc's heap arenas holding 2-3x the budget.)
 """
 
 from __future__ import annotations
@@ -31,13 +33,14 @@ budget = state // 8
 t = Trainer(model, memory_budget=budget, offload="disk", offload_dir=tempfile.mkdtemp(), device="cpu",
             recompute="auto", example_input=data[0][0], update_chunk_numel=1 << 16)
 del model
-t.step(*data[0])  # pages in torch's backward code and warms the allocator: part of the baseline
 gc.collect()
+with measure_peak(anon_interval_s=0.0005) as first:  # the first step too (torch's first backward)
+    t.step(*data[0])
 with measure_peak(anon_interval_s=0.0005) as pk:
     for x, y in data[1:]:
         t.step(x, y)
 print(json.dumps({{"state": state, "budget": budget, "tracked": t.tracked_peak_bytes,
-                  "anon": pk.anon_delta_bytes, "samples": pk.anon_samples}}))
+                  "anon_first": first.anon_delta_bytes, "anon": pk.anon_delta_bytes, "samples": pk.anon_samples}}))
 t.close()
 """
 
@@ -51,3 +54,4 @@ def test_disk_tier_process_peak_agrees_with_the_tracked_peak():
     assert 0 < m["tracked"] <= m["budget"]
     assert m["samples"] > 10
     assert m["anon"] <= 1.25 * m["budget"], m
+    assert m["anon_first"] <= 1.25 * m["budget"], m
