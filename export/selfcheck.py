@@ -11,24 +11,29 @@ on; the choice is recorded in the manifest's ``session``. Defects this strict ch
 a looser one let through (ONNX Runtime 1.19.2): MobileNet trained with its depthwise convs and
 stem but a frozen expand conv (stem gradient ~98% wrong, norm below the old 1e-3 floor), and
 MobileNet at 8 x 1024 with a 2-3 window example batch (gradients 0.08-0.2% off a float64
-reference, where torch's float32 is within 1e-6; at batch 32 it is within 2e-6).
+reference on tensors where torch's float32 is within 1e-6).
 
-Noise measured to choose the tolerances (float32 ORT vs float32 torch, worst tensor; reference
-models cnn / mobilenet / transformer, full update, frozen and batch-statistics BatchNorm,
-8 x 256 at batch 2 and 8, 8 x 1024 at batch 32): gradients 2.4e-6 / 1.9e-6 / 5.1e-6 relative to
-their own norm; loss 1.5e-7; output 5.4e-7; optimizer step at most 0.10 of its allowance. Every
-tolerance below leaves >= 10x headroom.
+Noise measured to choose the tolerances (ONNX Runtime vs float64 torch; reference models cnn /
+mobilenet / transformer, full update, frozen and batch-statistics BatchNorm, 8 x 256 at batch 2
+and 8, 8 x 1024 at batch 32): gradients at most 5.1e-6 of their own norm except small ones that
+float32 cannot resolve (MobileNet 8 x 1024: 8e-4 for tensors ~1e-6..1e-4 of the largest, which
+torch's float32 misses by as much); the worst gradient used 0.24 of its allowance, every other
+model <= 0.05; loss 1.5e-7; output 5.4e-7; optimizer step at most 0.10 of its allowance.
 
 Criteria (each tensor against its own scale, never against a floor that small tensors hide
 under):
 
-* **Gradients.** For each trained tensor, with ``g`` torch's gradient and ``h`` ONNX Runtime's:
-  ``||h - g|| <= GRAD_RTOL * ||g|| + GRAD_ATOL * G`` and, where ``||g|| > GRAD_ATOL * G``,
-  ``cos(h, g) >= 1 - COSINE_EPS``; ``G`` is the largest gradient norm of the model's trained
-  tensors. ``GRAD_ATOL * G`` is where a gradient counts as numerically zero (the transformer's
-  key biases: softmax is shift-invariant, their gradient is ~1e-9 of ``G``); an all-zero ``h``
-  therefore fails for every tensor whose torch gradient is above it (all of the CNN's and
-  MobileNet's, whose smallest gradient is ~1e-6 of ``G``).
+* **Gradients.** For each trained tensor, with ``g`` torch's gradient in float64, ``s`` the
+  distance of torch's float32 gradient from it, and ``h`` ONNX Runtime's:
+  ``||h - g|| <= rtol * ||g|| + GRAD_ATOL * G + SPREAD_FACTOR * s`` and, where
+  ``||g|| > GRAD_ATOL * G``, ``cos(h, g) >= 1 - max(COSINE_EPS, 2 (SPREAD_FACTOR * s / ||g||)^2)``;
+  ``rtol`` is ``GRAD_RTOL``, raised for long reductions (:func:`summation_rtol`: from
+  8 x 1024 at batch 7 up); ``G`` is the largest gradient norm of
+  the model's trained tensors. ``GRAD_ATOL * G`` is where a gradient counts as numerically zero
+  (the transformer's key biases: softmax is shift-invariant, their gradient is ~1e-9 of ``G``);
+  ``s`` is what float32 cannot resolve in this very tensor (see :func:`_torch_reference`). An
+  all-zero ``h`` therefore fails for every tensor whose torch gradient is above both (all of
+  the CNN's and MobileNet's, whose smallest gradient is ~1e-6 of ``G``).
 * **Optimizer step.** The exported optimizer (AdamW or SGD, with the manifest's hyper-parameters
   and learning rate) is applied once to ONNX Runtime's own gradients, and torch's optimizer is
   applied to the same parameters with the same gradients: ``||p_ort - p_torch|| <= STEP_RTOL *
@@ -63,6 +68,8 @@ __all__ = [
     "torch_optimizer_step",
     "GRAD_RTOL",
     "GRAD_ATOL",
+    "SPREAD_FACTOR",
+    "summation_rtol",
     "COSINE_EPS",
     "STEP_RTOL",
     "STEP_ULPS",
@@ -73,10 +80,14 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Relative gradient error allowed per tensor (measured noise at most 5.1e-6: ~20x headroom).
+#: Relative gradient error allowed per tensor (measured noise of well-resolved gradients at most 5.1e-6).
 GRAD_RTOL = 1e-4
 #: Below ``GRAD_ATOL`` times the model's largest gradient norm a gradient counts as zero.
 GRAD_ATOL = 1e-7
+#: Multiple of torch's own float32 error (per tensor) that ONNX Runtime may add: float32 engines
+#: differ in summation order, so one's error can be a few times another's. Measured: MobileNet
+#: 8 x 1024, ``blocks.2.expand.conv.weight`` (1.4e-4 of ``G``): torch 4.8e-4, ORT 5.8e-4 relative.
+SPREAD_FACTOR = 3.0
 #: Cosine similarity must be at least ``1 - COSINE_EPS`` (for gradients above the zero level).
 COSINE_EPS = 1e-6
 #: Relative error allowed on one optimizer step, beside ``STEP_ULPS`` (measured: <= 0.1 of the sum).
@@ -112,6 +123,7 @@ class Deviation:
         allowed_norm: the largest ``error_norm`` that passes.
         cosine: cosine similarity of got and want; 1.0 where it is not checked.
         cosine_checked: whether the cosine criterion applies.
+        cosine_min: the smallest cosine that passes.
     """
 
     what: str
@@ -120,6 +132,7 @@ class Deviation:
     allowed_norm: float
     cosine: float = 1.0
     cosine_checked: bool = False
+    cosine_min: float = 1.0 - COSINE_EPS
 
     @property
     def ratio(self) -> float:
@@ -137,7 +150,7 @@ class Deviation:
 
     @property
     def passed(self) -> bool:
-        return self.ratio <= 1.0 and (not self.cosine_checked or self.cosine >= 1.0 - COSINE_EPS)
+        return self.ratio <= 1.0 and (not self.cosine_checked or self.cosine >= self.cosine_min)
 
     def describe(self) -> str:
         text = (f"{self.what}: error {self.error_norm:.3g} vs norm {self.reference_norm:.3g} "
@@ -148,7 +161,7 @@ class Deviation:
 
 
 def compare_tensor(what: str, got: np.ndarray, want: np.ndarray, rtol: float, atol: float,
-                   cosine_above: float | None = None) -> Deviation:
+                   cosine_above: float | None = None, cosine_eps: float = COSINE_EPS) -> Deviation:
     """Compare ``got`` with ``want`` in L2 norm: passes if ``||got - want|| <= rtol * ||want|| + atol``.
 
     Args:
@@ -157,7 +170,8 @@ def compare_tensor(what: str, got: np.ndarray, want: np.ndarray, rtol: float, at
         want: torch's value (same shape).
         rtol: relative tolerance on the norm.
         atol: absolute tolerance on the norm.
-        cosine_above: also require ``cos(got, want) >= 1 - COSINE_EPS`` where ``||want||`` exceeds it.
+        cosine_above: also require ``cos(got, want) >= 1 - cosine_eps`` where ``||want||`` exceeds it.
+        cosine_eps: see ``cosine_above``.
     """
     got64 = np.asarray(got, dtype=np.float64).ravel()
     want64 = np.asarray(want, dtype=np.float64).ravel()
@@ -172,21 +186,43 @@ def compare_tensor(what: str, got: np.ndarray, want: np.ndarray, rtol: float, at
     if checked:
         norms = _norm(got64) * ref
         cosine = float((got64 * want64).sum()) / norms if norms > 0 else 0.0
-    return Deviation(what, err, ref, rtol * ref + atol, cosine, checked)
+    return Deviation(what, err, ref, rtol * ref + atol, cosine, checked, 1.0 - cosine_eps)
 
 
-def compare_gradients(got: dict[str, np.ndarray], want: dict[str, np.ndarray], suffix: str = "") -> list[Deviation]:
+def summation_rtol(x: np.ndarray) -> float:
+    """The relative gradient error allowed for an input batch ``x``: ``GRAD_RTOL``, or more for long
+    reductions. A weight gradient sums ``N`` = batch x positions products; a float32 running sum
+    of ``N`` terms of one sign is off by up to ~``N * eps32 / 2``, and ONNX Runtime's kernels sum
+    that way (measured: MobileNet, 8 x 1024 at batch 33, 2.6e-4 off float64 where torch is 1e-6).
+    ``N * eps32 / 4`` (5e-4 there) is allowed when it exceeds ``GRAD_RTOL``.
+    """
+    n_reduced = x.size // x.shape[1] if x.ndim > 1 else x.size
+    return max(GRAD_RTOL, n_reduced * _EPS32 / 4)
+
+
+def compare_gradients(got: dict[str, np.ndarray], want: dict[str, np.ndarray], suffix: str = "",
+                      spread: dict[str, float] | None = None, rtol: float = GRAD_RTOL) -> list[Deviation]:
     """Compare gradients tensor by tensor (see the module docstring for the criterion).
 
     Args:
         got: ONNX Runtime's gradients by name.
-        want: torch's gradients by the same names.
+        want: torch's gradients by the same names (float64 where available).
         suffix: appended to each description (e.g. the batch size).
+        spread: per name, how far torch's own float32 gradient is from ``want`` (its norm); it
+            is added to the allowance, since a float32 engine cannot be asked to do better.
+        rtol: relative tolerance (see :func:`summation_rtol`).
     """
     scale = max((_norm(g) for g in want.values()), default=0.0)
     zero_level = GRAD_ATOL * scale
-    return [compare_tensor(f"gradient of {name}{suffix}", got[name], want[name], GRAD_RTOL, zero_level,
-                           cosine_above=zero_level) for name in want]
+    out = []
+    for name, g in want.items():
+        extra = SPREAD_FACTOR * (spread or {}).get(name, 0.0)
+        ref = _norm(g)
+        # The cosine criterion follows the allowance: an error e at norm r allows 1 - cos ~ (e/r)^2 / 2.
+        eps = max(COSINE_EPS, 2.0 * (extra / ref) ** 2) if ref > 0 else COSINE_EPS
+        out.append(compare_tensor(f"gradient of {name}{suffix}", got[name], g, rtol, zero_level + extra,
+                                  cosine_above=zero_level, cosine_eps=eps))
+    return out
 
 
 def torch_optimizer_step(params: dict[str, np.ndarray], grads: dict[str, np.ndarray], optimizer: dict,
@@ -239,8 +275,30 @@ def _labels(manifest: Manifest, n: int) -> np.ndarray | None:
 
 
 def _torch_reference(module: nn.Module, batchnorm: str, x: np.ndarray, y: np.ndarray | None, loss: str,
-                     torch_names: list[str]) -> tuple[float, np.ndarray, dict[str, np.ndarray]]:
-    model = copy.deepcopy(module).eval()
+                     torch_names: list[str]) -> tuple[float, np.ndarray, dict[str, np.ndarray], dict[str, float]]:
+    """Loss, output and gradients of the prepared model in float64 (where the model allows it),
+    and per gradient how far torch's float32 result is from it.
+
+    Against a float64 reference ONNX Runtime's own float32 error is what is measured; torch's
+    float32 kernels are themselves off by up to ~2e-4 of a gradient's norm in some shapes (the
+    reference CNN, one thread, 8 x 1024), and small gradients that are sums of large terms of
+    both signs are off in any float32 engine (MobileNet 8 x 1024: ~5e-4 for a tensor 1.4e-4 of
+    the largest). That float32 spread is measured per tensor and allowed (``SPREAD_FACTOR`` x) on
+    top.
+    """
+    loss32, out32, grads32 = _torch_pass(module, batchnorm, x, y, loss, torch_names, torch.float32)
+    try:
+        loss64, out64, grads64 = _torch_pass(module, batchnorm, x, y, loss, torch_names, torch.float64)
+    except RuntimeError as e:  # e.g. a float32 constant created inside forward()
+        log.debug("float64 torch reference failed (%s); comparing with float32 torch", e)
+        return loss32, out32, grads32, {n: 0.0 for n in torch_names}
+    spread = {n: _norm(np.asarray(grads32[n], np.float64) - grads64[n]) for n in torch_names}
+    return loss64, out64, grads64, spread
+
+
+def _torch_pass(module: nn.Module, batchnorm: str, x: np.ndarray, y: np.ndarray | None, loss: str,
+                torch_names: list[str], dtype: torch.dtype) -> tuple[float, np.ndarray, dict[str, np.ndarray]]:
+    model = copy.deepcopy(module).to(dtype).eval()
     if batchnorm == "batch":  # ONNX Runtime trains BatchNormalization with batch statistics
         for m in model.modules():
             if isinstance(m, nn.modules.batchnorm._BatchNorm):
@@ -250,14 +308,18 @@ def _torch_reference(module: nn.Module, batchnorm: str, x: np.ndarray, y: np.nda
         p.requires_grad_(False)
     for n in torch_names:
         params[n].requires_grad_(True)
-    out = model(torch.from_numpy(x))
-    value = torch_loss(loss, out, None if y is None else torch.from_numpy(y))
+    out = model(torch.from_numpy(x).to(dtype))
+    labels = None if y is None else torch.from_numpy(y)
+    if labels is not None and labels.is_floating_point():
+        labels = labels.to(dtype)
+    value = torch_loss(loss, out, labels)
     value.backward()
     return value.item(), out.detach().numpy(), {n: params[n].grad.numpy() for n in torch_names}
 
 
 def _check_once(stage: Path, manifest: Manifest, pairs: list[tuple[str, str]], x: np.ndarray, y: np.ndarray | None,
-                ref_loss: float, ref_out: np.ndarray, ref_grads: dict[str, np.ndarray]) -> list[Deviation]:
+                ref_loss: float, ref_out: np.ndarray, ref_grads: dict[str, np.ndarray],
+                spread: dict[str, float]) -> list[Deviation]:
     from ..runtime.backend import OrtTrainingBackend
     from ..runtime.features import open_prefix, suffix_inputs
 
@@ -268,7 +330,8 @@ def _check_once(stage: Path, manifest: Manifest, pairs: list[tuple[str, str]], x
     checks = [compare_tensor(f"loss{suffix}", np.array(loss), np.array(ref_loss), LOSS_RTOL, LOSS_ATOL),
               compare_tensor(f"output{suffix}", out, ref_out, OUTPUT_RTOL, LOSS_ATOL)]
     ort_grads = {g: backend.get_gradient(g) for g, _ in pairs}
-    checks += compare_gradients(ort_grads, {g: ref_grads[t] for g, t in pairs}, suffix)
+    checks += compare_gradients(ort_grads, {g: ref_grads[t] for g, t in pairs}, suffix,
+                                spread={g: spread[t] for g, t in pairs}, rtol=summation_rtol(x))
     before = {g: backend.get_tensor(g) for g, _ in pairs}
     backend.apply_update(float(manifest.optimizer["lr"]))
     after = {g: backend.get_tensor(g) for g, _ in pairs}

@@ -6,27 +6,32 @@ the same state, so float noise cannot compound, and nothing is hidden under a lo
 
 * **Per-step gradients, parameters synced.** Before each of the 20 AdamW steps the torch model
   is loaded with ONNX Runtime's current parameters; both compute the gradient on the same batch.
-  Per trained tensor: ``||g_ort - g_torch|| <= GRAD_RTOL * ||g_torch|| + ZERO * G`` with
-  ``GRAD_RTOL = 2e-5`` (worst measured: 3e-6 at 8 x 256 / batch 8 and 1e-5 at 8 x 1024 / batch
-  32, transformer), ``G`` the largest gradient norm of the step and ``ZERO = 1e-7`` the level
-  below which a gradient is numerically zero (the transformer's key biases: softmax is
-  shift-invariant, their gradient is ~1e-9 of G).
-* **Losses at the same parameters**: relative 1e-6 (measured worst 3e-7).
+  The reference is torch in float64 (torch's float32 is itself off by up to 3e-4 on the CNN at
+  8 x 1024). Per trained tensor: ``||g_ort - g64|| <= rtol * ||g64|| + ZERO * G + 3 * s``, with
+  ``rtol = max(2e-5, N * eps32 / 4)`` for ``N`` = batch x samples summed into each weight
+  gradient (6e-5 by default, 1e-3 at full size: ONNX Runtime's float32 running sums; see
+  ``export.selfcheck.summation_rtol``), ``G`` the step's largest gradient norm, ``ZERO = 1e-7``
+  the level of a numerically zero gradient (the transformer's key biases, ~1e-9 of G), and ``s``
+  the distance of torch's float32 gradient from float64 (what float32 cannot resolve in that
+  tensor). Measured worst relative error (well-resolved tensors) at 8 x 256 / batch 8: 1.6e-6
+  (0.06 of the allowance); at 8 x 1024 / batch 32: cnn 3e-4, mobilenet 1.2e-3 (0.71 of the
+  allowance), transformer 2.6e-5.
+* **Losses at the same parameters**: relative 1e-6 to float64 torch (measured worst 1.1e-7).
 * **Each optimizer step, same inputs**: a torch AdamW fed ONNX Runtime's parameters and
   gradients at every step (so its moments are built from the same gradients) matches ONNX
-  Runtime's step (``export.selfcheck.compare_step``:
-  1e-4 of the step + 4 ulps of the parameters; measured worst 0.1 of that).
+  Runtime's step (``export.selfcheck.compare_step``: 1e-4 of the step + 4 ulps of the
+  parameters; measured worst 0.12 of that).
 * **20 steps free-running**: a torch model trained on its own (its own gradients and optimizer
-  state) has losses within ``TRAJECTORY_RTOL = 1e-3`` relative of the runner's at every step
-  (measured worst 5e-5). This is the end-to-end check; it is loose on purpose because AdamW
-  divides each gradient by its own running magnitude, so float noise in near-zero gradients
-  becomes full-size steps that no two kernels agree on (1.8e-2 relative parameter drift after 6
-  steps on the reference CNN at 8 x 1024). Parameters are therefore compared per step, not after
-  20 free-running steps.
+  state) has losses within ``TRAJECTORY_RTOL = 2e-4`` relative of the runner's at every step
+  (measured worst 1.1e-6 by default, 1.9e-5 at full size). Parameters are compared per step,
+  not after 20 free-running steps: AdamW divides each gradient by its own running magnitude, so
+  float noise in near-zero gradients becomes full-size steps that no two kernels agree on
+  (1.8e-2 relative parameter drift after 6 steps on the reference CNN at 8 x 1024).
 * Frozen parameters and frozen channels stay bit-identical.
 
 The default run uses 8 channels x 256 samples, batch 8; the full size (8 x 1024, batch 32) is
-marked ``slow``.
+marked ``slow``. The export example is the first training batch: with a 2-window example at
+8 x 1024 the self-check refuses MobileNet (ONNX Runtime's gradients 0.2% off).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from torch import nn
 
 from edgeadapt.export import OptimizerConfig, Rule, UpdatePolicy, export_bundle
 from edgeadapt.export.objectives import torch_loss
-from edgeadapt.export.selfcheck import compare_step, compare_tensor
+from edgeadapt.export.selfcheck import SPREAD_FACTOR, compare_step, compare_tensor
 from edgeadapt.models import build_model
 from edgeadapt.runtime import read_manifest
 from edgeadapt.runtime.backend import OrtTrainingBackend
@@ -49,7 +54,7 @@ from edgeadapt.runtime.backend import OrtTrainingBackend
 STEPS, N_CHANNELS, N_CLASSES, LR = 20, 8, 5, 1e-3
 GRAD_RTOL, ZERO = 2e-5, 1e-7
 LOSS_RTOL = 1e-6
-TRAJECTORY_RTOL = 1e-3
+TRAJECTORY_RTOL = 2e-4
 
 SPARSE = {
     "cnn": UpdatePolicy(rules=(Rule("blocks.0.conv", "channels", ratio=0.5), Rule("blocks.3.conv", "channels", ratio=0.25),
@@ -159,16 +164,21 @@ class OptimizerTwin:
         return {n: t.detach().numpy().copy() for n, t in self.tensors.items()}
 
 
+def _norm(a: np.ndarray) -> float:
+    return math.sqrt(float(np.square(np.asarray(a, dtype=np.float64)).sum()))
+
+
 def torch_gradients(model: nn.Module, params: dict[str, np.ndarray], trained: list[str], x, y):
     """Loss and gradients of ``model`` with ``params`` loaded, on one batch."""
-    model.load_state_dict({n: torch.from_numpy(v) for n, v in params.items()}, strict=False)
+    dtype = next(model.parameters()).dtype
+    model.load_state_dict({n: torch.from_numpy(v).to(dtype) for n, v in params.items()}, strict=False)
     named = dict(model.named_parameters())
     for n, p in named.items():
         p.requires_grad_(n in trained)
         p.grad = None
-    loss = torch_loss("cross_entropy", model(torch.from_numpy(x)), torch.from_numpy(y))
+    loss = torch_loss("cross_entropy", model(torch.from_numpy(x).to(dtype)), torch.from_numpy(y))
     loss.backward()
-    return loss.item(), {n: named[n].grad.numpy().copy() for n in trained}
+    return loss.item(), {n: named[n].grad.numpy().astype(np.float64) for n in trained}
 
 
 def free_running_losses(model: nn.Module, masks: dict[str, np.ndarray], optimizer: dict, batches) -> list[float]:
@@ -208,20 +218,22 @@ def run_parity(tmp_path, arch: str, policy_name: str, length: int, batch: int) -
     Y = rng.integers(0, N_CLASSES, STEPS * batch).astype(np.int64)
     batches = [(X[s * batch:(s + 1) * batch], Y[s * batch:(s + 1) * batch]) for s in range(STEPS)]
     policy = UpdatePolicy.full() if policy_name == "full" else SPARSE[arch]
-    export_bundle(model, torch.from_numpy(X[:2]), tmp_path / "b", policy=policy,
+    export_bundle(model, torch.from_numpy(X[:batch]), tmp_path / "b", policy=policy,
                   optimizer=OptimizerConfig("adamw", lr=LR, weight_decay=0.01))
     ort = OrtSide(tmp_path / "b")
     masks = dict(np.load(tmp_path / "b" / "masks.npz", allow_pickle=False))
     original = ort.parameters()
-    shadow = copy.deepcopy(model)
+    shadow, shadow64 = copy.deepcopy(model), copy.deepcopy(model).double()
     trained = list(ort.trained)
     worst = {"grad": 0.0, "grad_ratio": 0.0, "loss": 0.0, "step_ratio": 0.0, "trajectory": 0.0}
     failures = []
     ort_losses = []
     optimizer_twin = OptimizerTwin(ort.manifest.optimizer)
+    rtol = max(GRAD_RTOL, batch * length * np.finfo(np.float32).eps / 4)  # see selfcheck.summation_rtol
     for s, (x, y) in enumerate(batches):
         params = ort.parameters()
-        ref_loss, ref_grads = torch_gradients(shadow, params, trained, x, y)
+        _, grads32 = torch_gradients(shadow, params, trained, x, y)
+        ref_loss, ref_grads = torch_gradients(shadow64, params, trained, x, y)
         loss = ort.train_step(x, y)
         ort_losses.append(loss)
         worst["loss"] = max(worst["loss"], abs(loss - ref_loss) / abs(ref_loss))
@@ -229,14 +241,16 @@ def run_parity(tmp_path, arch: str, policy_name: str, length: int, batch: int) -
             failures.append(f"step {s}: loss {loss} vs torch {ref_loss}")
         got = {n: ort.backend.get_gradient(ort.graph_name(n)) for n in trained}
         want = {n: ort.slice_of(n, ref_grads[n]) for n in trained}
-        scale = max(math.sqrt(float(np.square(g.astype(np.float64)).sum())) for g in want.values())
+        spread = {n: _norm(ort.slice_of(n, grads32[n]) - want[n]) for n in trained}
+        scale = max(_norm(g) for g in want.values())
         for n in trained:
-            d = compare_tensor(f"step {s}: gradient of {n}", got[n], want[n], GRAD_RTOL, ZERO * scale)
+            allowed = ZERO * scale + SPREAD_FACTOR * spread[n]
+            d = compare_tensor(f"step {s}: gradient of {n}", got[n], want[n], rtol, allowed)
             worst["grad_ratio"] = max(worst["grad_ratio"], d.ratio)
-            if d.reference_norm > ZERO * scale:
+            if d.reference_norm > 1e3 * allowed:  # well resolved in float32: the relative figure
                 worst["grad"] = max(worst["grad"], d.relative_error)
             if not d.passed:
-                failures.append(d.describe())
+                failures.append(d.describe() + f" (torch float32: {spread[n]:.3g} off float64)")
         before = {n: ort.backend.get_tensor(ort.graph_name(n)) for n in trained}
         ort.backend.apply_update(LR)
         after = {n: ort.backend.get_tensor(ort.graph_name(n)) for n in trained}

@@ -24,6 +24,15 @@ from edgeadapt.runtime.backend import OrtTrainingBackend
 LENGTH = 64
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """One intra-op thread: on a shared, busy machine torch's spinning pool is ~20x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def reference_model(name: str) -> nn.Module:
     """A seeded reference model with distinct norm parameters and running statistics, as if trained."""
     torch.manual_seed(0)
