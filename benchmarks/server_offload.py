@@ -182,7 +182,7 @@ def planner_figures(args: argparse.Namespace) -> dict:
 # ---- main -------------------------------------------------------------------------------
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=3, help="timed steps per mode (after one warm-up step)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per mode (after one warm-up step)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (default 1: the other core is left to the prefetch thread, and "
                         "2 spinning OpenMP threads on a shared 2-core machine measured up to 10x slower)")
