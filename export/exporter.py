@@ -245,6 +245,9 @@ def export_bundle(
                     "Install onnx==1.17.0 (pip install 'edgeadapt[server]')"
                 )
         np.savez(stage / "masks.npz", **channel_masks(entries, prepared.trained_channels))
+        if label is not None:  # ORT's loss blocks name their label input ("labels" or "target"): record theirs
+            train_inputs = onnx.load(stage / "training_model.onnx", load_external_data=False).graph.input
+            label = {**label, "name": train_inputs[1].name}
         draft = _draft_manifest(stage, entries, loss, opt, batchnorm, label, example_input, output, policy,
                                 plan=None if plan is None else manifest_plan(plan),
                                 graph=None if graph is None else graph.to_dict())
