@@ -21,7 +21,8 @@ Output: a table on stdout and ``gpu_offload_check.json`` in ``$OUT`` when that i
 ``benchmarks/results/``). Typical run: 1-3 minutes on an H200 (most of it building the model
 and the disk tier's writes).
 
-Usage (from the repository root, with the project importable)::
+Needs torch (a CUDA build), numpy and scipy; not onnx or onnxruntime. Usage (from the
+repository root; the script puts the repository on ``sys.path``)::
 
     python benchmarks/gpu_offload_check.py                       # defaults: 320M params (5.1 GB of state), 1 GiB budget
     python benchmarks/gpu_offload_check.py --tiers host --steps 3 --n-layers 12
@@ -88,14 +89,13 @@ def _max_allocated(args) -> int:
 def run_offloaded(args, tier: str, batches) -> dict:
     import torch
 
-    from edgeadapt.export import OptimizerConfig
     from edgeadapt.models import token_cross_entropy
     from edgeadapt.server import Trainer
 
     with tempfile.TemporaryDirectory(prefix="gpu-offload-", dir=args.offload_dir) as tmp:
         t0 = time.perf_counter()
         trainer = Trainer(_model(args), loss=token_cross_entropy,
-                          optimizer=OptimizerConfig("adamw", lr=1e-4, weight_decay=0.01),
+                          optimizer={"name": "adamw", "lr": 1e-4, "weight_decay": 0.01},  # no onnx import
                           memory_budget=args.budget, offload=tier, offload_dir=Path(tmp) / "state",
                           device=args.device, recompute="auto", example_input=batches[0][0])
         setup_s = time.perf_counter() - t0
