@@ -64,7 +64,7 @@ if str(REPO) not in sys.path:
 from edgeadapt.atomic import atomic_write_bytes, atomic_write_json  # noqa: E402
 from edgeadapt.datasets import SyntheticConfig, WindowDataset, load_dataset, make_synthetic  # noqa: E402
 from edgeadapt.harness.study import (  # noqa: E402
-    ALL_METHODS, FIXED_LR, LABEL_FREE, LR_GRID, METHODS, make_split, per_subject_accuracy, pretrain_source,
+    ALL_METHODS, FIXED_LR, LABEL_FREE, LR_GRID, METHODS, budget_method, make_split, per_subject_accuracy, pretrain_source,
     run_method, save_target_data, select_learning_rates,
 )
 from edgeadapt.versions import host_info  # noqa: E402
@@ -210,8 +210,8 @@ def _markdown(result: dict) -> str:
         "copy of the trained values); "
         "*total* = resident memory (VmHWM), *anon* = anonymous memory only (sampled RssAnon, no library code"
         + (f" or file pages); loaded baseline median {statistics.median(base) / MB:.0f} MB." if base else ")."),
-        "bn-stats runs its bundle (last layer trainable) at learning rate 0: it trains no parameter, only "
-        "BatchNorm running statistics change, yet its peaks include that bundle's backward pass."
+        "bn-stats runs at learning rate 0, which the runner carries out forward-only "
+        "(Runner.update_bn_statistics): it trains no parameter, only BatchNorm running statistics change."
         if "bn-stats" in summ else "",
         f"Threads: {cfg['threads']} for pretraining and adaptation, deterministic torch algorithms; "
         f"{host['cpu']['model']} ({host.get('torch_cpu_capability', '?')} torch kernels), torch "
@@ -292,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--subjects", type=int, nargs="+", help="target subjects to hold out (default: all)")
     p.add_argument("--methods", nargs="+", choices=ALL_METHODS[1:], default=list(ALL_METHODS[1:]),
                    help="adapted methods to run (source-only always)")
+    p.add_argument("--memory-budget", metavar="BYTES",
+                   help="also run a budget method: the planner picks what trains within this budget per adapt call "
+                        "(bytes or e.g. 256KiB)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="threads for pretraining and adaptation (default 1)")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
@@ -313,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"subjects {unknown} are not in the dataset (subjects: {subjects})")
         subjects = [s for s in subjects if s in set(args.subjects)]
     methods = [m for m in METHODS if m in args.methods]
+    if args.memory_budget:
+        methods.append(budget_method(args.memory_budget))
     dataset_tag = Path(args.dataset).stem if args.dataset not in ("synthetic", "watch") else args.dataset
     stem = f"loso_{dataset_tag}_{args.model}{args.tag}"
     args.out.mkdir(parents=True, exist_ok=True)
