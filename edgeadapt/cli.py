@@ -217,7 +217,8 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     from .harness.quickstart import QuickstartConfig, run_quickstart
 
     cfg = QuickstartConfig(dataset=args.dataset, model=args.model, policy=args.policy, out_dir=Path(args.out),
-                           k_per_class=args.k_per_class, epochs=args.epochs, seed=args.seed, small=args.small)
+                           k_per_class=args.k_per_class, epochs=args.epochs, seed=args.seed, small=args.small,
+                           memory_budget=args.memory_budget)
     run_quickstart(cfg, echo=print)
     return 0
 
@@ -350,6 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=None, help="adaptation epochs (default: chosen for the data)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/quickstart", help="report folder")
+    p.add_argument("--memory-budget", metavar="BYTES", default=None,
+                   help="also run the planner's choice within this budget per adapt call (e.g. 256KiB)")
     p.add_argument("--small", action="store_true", help="a tiny setting for smoke tests")
     p.set_defaults(func=cmd_quickstart)
 

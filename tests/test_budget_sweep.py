@@ -96,3 +96,28 @@ def test_workers_measure_a_budget_bundle_and_torch_eager(bs, tmp_path):
     assert 0 <= eager["step_peak_bytes"] <= eager["call_peak_bytes"]
     assert 0 <= eager["step_peak_anon_bytes"] <= eager["call_peak_anon_bytes"]
     assert json.loads((tmp_path / "run" / "runner_report.json").read_text()) == run
+
+
+def test_study_budget_method_exports_the_planners_choice(tmp_path):
+    """The budget method of quickstart/LOSO (``--memory-budget``): the planner picks what trains
+    within the budget, for the adaptation set's size and the job's batch."""
+    import numpy as np
+    import torch
+
+    from edgeadapt.harness import study
+    from edgeadapt.models import build_model
+
+    name = study.budget_method("512KiB")
+    try:
+        assert study.budget_method("512KiB") == name and study.METHODS[name].memory_budget == "512KiB"
+        torch.manual_seed(0)
+        model = build_model("cnn", 6, 7, 100).eval()
+        X = np.random.default_rng(0).standard_normal((21, 6, 100)).astype(np.float32)
+        recipe = study.export_method(name, model, "cnn", X, tmp_path / "bundle", batch_windows=8)
+        plan = json.loads((tmp_path / "bundle" / "manifest.json").read_text())["plan"]
+        assert recipe["policy"] == "planned within 512KiB"
+        assert (plan["budget_bytes"], plan["n_windows"], plan["batch_windows"]) == (512 * 1024, 21, 8)
+        assert 0 < plan["predicted_peak_bytes"] <= 512 * 1024
+        assert any(p["mode"] != "frozen" for p in plan["params"])
+    finally:
+        study.METHODS.pop(name, None)

@@ -27,7 +27,7 @@ from pathlib import Path
 from ..atomic import atomic_write_json
 from ..datasets import SyntheticConfig, WindowDataset, load_dataset, make_synthetic
 from ..versions import host_info
-from .study import FIXED_LR, METHODS, make_split, per_subject_accuracy, pretrain_source, run_method, save_target_data
+from .study import FIXED_LR, METHODS, budget_method, make_split, per_subject_accuracy, pretrain_source, run_method, save_target_data
 
 __all__ = ["QuickstartConfig", "run_quickstart"]
 
@@ -53,6 +53,8 @@ class QuickstartConfig:
         seed: seeds data, pretraining and splits.
         small: a tiny setting for smoke tests (seconds, not minutes).
         target_subject: the held-out subject (default: the last one).
+        memory_budget: also run the planner's choice within this budget per adapt call
+            (e.g. ``"256KiB"``) next to the compared methods.
         threads: intra-op threads of pretraining (torch) and adaptation (ONNX Runtime), pinned
             so that the figures do not depend on the machine's core count.
     """
@@ -67,6 +69,7 @@ class QuickstartConfig:
     small: bool = False
     target_subject: int | None = None
     threads: int = 1
+    memory_budget: str | None = None
 
 
 def _mb(n: int | None) -> str:
@@ -161,6 +164,9 @@ def run_quickstart(cfg: QuickstartConfig, echo: Callable[[str], None] = log.info
     else:
         runs = [(MAIN, cfg.policy, cfg.policy, "main")]
     runs += [(m, None, m, m) for m in COMPARED if m != cfg.policy]
+    if cfg.memory_budget:
+        name = budget_method(cfg.memory_budget)
+        runs.append((name, None, name, "budget"))
     reports = []
     target_data = save_target_data(split, work)
     for method, policy, label, folder in runs:

@@ -52,6 +52,9 @@ class Method:
             statistics move), so no learning rate is selected for it.
         channel_ratio: replaces the ratio of every ``channels`` rule of the policy.
         description: one line for tables.
+        memory_budget: a memory budget for the whole device ``adapt`` call (bytes or a string
+            such as ``"256KiB"``): the planner picks what trains within it and ``policy`` is
+            not used (see :func:`budget_method`).
     """
 
     name: str
@@ -61,6 +64,7 @@ class Method:
     trains: bool = True
     channel_ratio: float | None = None
     description: str = ""
+    memory_budget: int | str | None = None
 
     @property
     def label_free(self) -> bool:
@@ -93,6 +97,15 @@ METHODS: dict[str, Method] = _registry(
     Method("full", "full", description="every parameter"),
 )
 ALL_METHODS = ("source-only", *METHODS)
+
+
+def budget_method(memory_budget: int | str) -> str:
+    """Register (once) and name the method that exports under ``memory_budget``: the planner
+    chooses what trains (``export_bundle(memory_budget=...)``), cross-entropy, frozen BatchNorm."""
+    name = f"budget-{memory_budget}"
+    METHODS.setdefault(name, Method(name, "last-layer", memory_budget=memory_budget,
+                                    description=f"the planner's choice within {memory_budget} per adapt call"))
+    return name
 LABEL_FREE = tuple(name for name, m in METHODS.items() if m.label_free)
 @dataclass(frozen=True)
 class SplitData:
@@ -230,17 +243,25 @@ def save_target_data(split: SplitData, directory: Path) -> tuple[Path, Path]:
 
 
 def export_method(method: str, model, model_name: str, example_X: np.ndarray, bundle: Path, *,
-                  lr: float = FIXED_LR, policy: str | None = None) -> dict[str, Any]:
+                  lr: float = FIXED_LR, policy: str | None = None, batch_windows: int = 16) -> dict[str, Any]:
     """Export ``model`` as ``method``'s bundle at ``bundle``; returns the recipe used.
 
     ``policy`` (an ``UpdatePolicy.parse`` spec) replaces the method's own policy; ``lr`` is the
-    bundle's default learning rate (the jobs pass their own).
+    bundle's default learning rate (the jobs pass their own). A method with a memory budget is
+    planned for ``len(example_X)`` adaptation windows in steps of ``batch_windows``.
     """
     import torch
 
     from ..export import OptimizerConfig, UpdatePolicy, export_bundle
 
     recipe = method_recipe(method, model_name)
+    budget = METHODS[method].memory_budget
+    if policy is None and budget is not None:
+        export_bundle(model, torch.from_numpy(example_X[:2]), bundle, memory_budget=budget,
+                      n_windows=len(example_X), batch_windows=batch_windows, loss=recipe["loss"],
+                      optimizer=OptimizerConfig("adamw", lr=lr, weight_decay=0.01), batchnorm=recipe["batchnorm"])
+        recipe["policy"] = f"planned within {budget}"
+        return recipe
     if policy is not None:
         recipe["policy"] = policy
     export_bundle(model, torch.from_numpy(example_X[:2]), bundle, policy=UpdatePolicy.parse(recipe["policy"]),
@@ -264,7 +285,7 @@ def run_method(method: str, model, model_name: str, split: SplitData, target_dat
     bundle = workdir / "bundle"
     # The bundle's default rate must be > 0; a method at rate 0 gets it from the job spec.
     recipe = export_method(method, model, model_name, split.target_adapt.X, bundle, lr=lr if lr > 0 else FIXED_LR,
-                           policy=policy)
+                           policy=policy, batch_windows=batch_size)
     job_lr = lr if recipe["trains"] else 0.0
     spec = AdaptJobSpec(bundle=str(bundle), adapt_data=str(target_data[0]),
                         eval_data=str(target_data[1]), out_dir=str(workdir / "adapted"),
