@@ -805,7 +805,9 @@ def plot_loso(res: dict[str, Any], path: Path) -> None:
         budget = m.startswith("budget")
         ax.scatter([x], [y], marker="o" if budget else "s", color="tab:blue" if budget else "tab:orange", zorder=3)
         ax.scatter([x], [w], marker="v", color="tab:blue" if budget else "tab:orange", alpha=0.4, zorder=2)
-        ax.annotate(m.replace("budget ", ""), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        # Budgets labelled above their point, presets below: a budget that chose a preset's policy overlaps it.
+        ax.annotate(m.replace("budget ", ""), (x, y), textcoords="offset points", xytext=(4, 4) if budget else (4, -11),
+                    fontsize=7)
     front = pareto_front([(x, y) for x, y, _ in pts])
     ax.plot([pts[i][0] for i in front], [pts[i][1] for i in front], "-", color="tab:gray", lw=1, label="Pareto front")
     if "source-only" in summ and summ["source-only"].get("n_subjects"):
