@@ -843,6 +843,20 @@ def _bytes_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _code_version() -> dict[str, Any]:
+    """The commit the code comes from and the tracked files that differ from it (read-only git)."""
+    def git(*a: str) -> str | None:
+        try:
+            return subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True, timeout=30,
+                                  check=True).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "HEAD"),
+            "modified_files": None if status is None else [line[3:] for line in status.splitlines()]}
+
+
 def _host() -> dict[str, Any]:
     try:
         from edgeadapt.versions import host_info
@@ -901,7 +915,7 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join([".venv/bin/python", "benchmarks/budget_sweep.py", *map(shlex.quote, argv)])
     print(command, flush=True)
     base = {"command": command, "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "host": _host(), "loadavg_start": list(os.getloadavg())}
+            "host": _host(), "code": _code_version(), "loadavg_start": list(os.getloadavg())}
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="budget_sweep-") as tmp:
         work = Path(tmp)
