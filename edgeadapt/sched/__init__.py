@@ -1,5 +1,5 @@
 """The shared memory scheduler: a pure planner (numpy/scipy only) used by the device runner
-and the server trainer alike.
+(:func:`plan_for_budget`) and the server trainer (:func:`plan_offload`) alike.
 
 It decides and never touches tensors: policies turn a :class:`Graph` and a budget into a
 :class:`Plan`; :func:`verify` re-derives a plan's peak and refuses one over budget; executors
@@ -10,6 +10,7 @@ from .batching import minimum_budget, plan_for_budget, replan
 from .cost import PHASES, CostModel, predict
 from .errors import BudgetExceeded, NoFeasiblePlan
 from .ir import Graph, Op, Param
+from .offload import BlockTooLarge, plan_offload
 from .plan import Action, Mode, ParamPlan, Peak, Plan, Tier, format_bytes, parse_bytes
 from .policy import Rule, UpdatePolicy
 from .remat import Chain, chain_from_graph, min_flops_schedule, min_peak_schedule, sqrt_schedule
@@ -27,4 +28,5 @@ __all__ = [
     "Unit", "candidate_units", "select_milp", "select_greedy",
     "Chain", "chain_from_graph", "min_flops_schedule", "min_peak_schedule", "sqrt_schedule",
     "plan_for_budget", "replan", "minimum_budget",
+    "plan_offload", "BlockTooLarge",
 ]
