@@ -848,7 +848,7 @@ def _code_version() -> dict[str, Any]:
     def git(*a: str) -> str | None:
         try:
             return subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True, timeout=30,
-                                  check=True).stdout.strip()
+                                  check=True).stdout.rstrip("\n")  # porcelain lines start with a space
         except (OSError, subprocess.SubprocessError):
             return None
 
