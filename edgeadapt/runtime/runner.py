@@ -11,6 +11,7 @@ Torch-free: numpy + onnxruntime only. A typical session::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -38,6 +39,46 @@ from .validate import check_inputs, check_labels, check_learning_rate
 __all__ = ["Runner", "AdaptResult", "EvalResult", "SCHEDULES"]
 
 log = logging.getLogger(__name__)
+
+
+class _NoBar(contextlib.nullcontext):
+    """Stands in for a disabled progress bar (a disabled tqdm still builds tqdm's lock)."""
+
+    def __enter__(self) -> _NoBar:
+        return self
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix(self, **kwargs) -> None:
+        pass
+
+
+class _Rows:
+    """The windows ``rows`` of ``data`` (a shuffled batch), gathered only when sliced: a step
+    copies one micro-batch of windows at a time instead of the whole batch."""
+
+    def __init__(self, data: np.ndarray, rows: np.ndarray):
+        self.data, self.rows = data, rows
+
+    @classmethod
+    def of(cls, data: np.ndarray | None, rows: np.ndarray) -> _Rows | None:
+        return None if data is None else cls(data, rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, part: slice) -> np.ndarray:
+        return self.data[self.rows[part]]
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = self.data[self.rows]
+        return out if dtype is None else out.astype(dtype)
+
+
+def _progress_bar(progress: bool, **kwargs):
+    """A tqdm bar when ``progress``, else a no-op stand-in that allocates nothing."""
+    return tqdm(leave=False, **kwargs) if progress else _NoBar()
 
 SCHEDULES = ("constant", "cosine")
 
@@ -203,7 +244,7 @@ class Runner:
                 "Use micro_batch=None (or >= batch_size), or export with batchnorm='frozen'")
         return min(micro_batch, batch_size)
 
-    def _step(self, x: np.ndarray, y: np.ndarray | None, lr: float, micro: int) -> float:
+    def _step(self, x: np.ndarray | _Rows, y: np.ndarray | _Rows | None, lr: float, micro: int) -> float:
         """One optimizer step over ``x`` in slices of ``micro`` windows (gradient accumulation).
 
         The loss is a mean over the windows a ``train_step`` sees, and ONNX Runtime adds each
@@ -219,14 +260,15 @@ class Runner:
         loss_sum, prev_w = 0.0, None
         for start in range(0, n, micro):
             part = slice(start, min(n, start + micro))
-            w = (part.stop - part.start) / n
+            size = part.stop - part.start
+            w = size / n
             if prev_w is not None and w != prev_w:
                 self._backend.scale_gradients(prev_w / w)
             loss, _ = self._backend.train_step(x[part], None if y is None else y[part])
             if not math.isfinite(loss):
                 self._backend.discard_gradients()
                 raise NonFiniteLossError(self.step, loss)
-            loss_sum += loss * (part.stop - part.start)
+            loss_sum += loss * size
             prev_w = w
         self._backend.scale_gradients(prev_w)
         self._backend.apply_update(lr)
@@ -299,8 +341,10 @@ class Runner:
         losses = []
         start = time.perf_counter()
         done = 0
-        with (AdaptPeaks() as peaks,
-              tqdm(total=total, desc="adapt", unit="step", disable=not progress, leave=False) as bar,
+        # The bar opens before the measured span: tqdm's first bar in a process builds its
+        # (multiprocessing) write lock, ~220 KiB of one-time imports that are no part of a call.
+        with (_progress_bar(progress, total=total, desc="adapt", unit="step") as bar,
+              AdaptPeaks() as peaks,
               tempfile.TemporaryDirectory(prefix="edgeadapt-rollback-") as scratch):
             # With a prefix model: every window's features once per call, then the suffix trains on them.
             X = suffix_inputs(self._prefix, X, micro)
@@ -314,7 +358,7 @@ class Runner:
                 for idx in batches(self.epoch):
                     try:
                         with peaks.step():
-                            loss = self._step(X[idx], None if y is None else y[idx], step_lr(done), micro)
+                            loss = self._step(_Rows(X, idx), _Rows.of(y, idx), step_lr(done), micro)
                     except NonFiniteLossError as err:
                         self._roll_back(source, call_start, e, batches, step_lr, X, y, micro, kept)
                         raise NonFiniteLossError(err.step, err.loss, restored_step=start_step) from None
@@ -355,7 +399,7 @@ class Runner:
         done = 0
         for _ in range(failed_epoch):
             for idx in batches(self.epoch):
-                self._step(X[idx], None if y is None else y[idx], step_lr(done), micro)
+                self._step(_Rows(X, idx), _Rows.of(y, idx), step_lr(done), micro)
                 done += 1
             self.epoch += 1
         if self._clean_checkpoint is None and failed_epoch == 0 and source.name != "call_start.ckpt":
@@ -398,8 +442,8 @@ class Runner:
         n = X.shape[0]
         per_epoch = math.ceil(n / batch_size)
         losses, start = [], time.perf_counter()
-        with (AdaptPeaks() as peaks,
-              tqdm(total=per_epoch * epochs, desc="bn-stats", unit="batch", disable=not progress, leave=False) as bar):
+        with (_progress_bar(progress, total=per_epoch * epochs, desc="bn-stats", unit="batch") as bar,
+              AdaptPeaks() as peaks):
             X = suffix_inputs(self._prefix, X, batch_size)
             for e in range(epochs):
                 stats = [n for n in self._backend.parameter_names() if n.endswith(("running_mean", "running_var"))]

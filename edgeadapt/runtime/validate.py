@@ -47,9 +47,25 @@ def check_inputs(manifest: Manifest, x: np.ndarray, what: str = "X") -> None:
         )
     if x.shape[0] == 0:
         raise InputError(f"{what} is empty")
-    if not np.isfinite(x).all():
-        n = int((~np.isfinite(x)).sum())
+    n = _count_nonfinite(x)
+    if n:
         raise InputError(f"{what} contains {n} NaN or infinite values; clean or impute them first")
+
+
+_CHECK_CHUNK_BYTES = 64 * 1024
+
+
+def _count_nonfinite(x: np.ndarray) -> int:
+    """NaN/inf entries of ``x``, checked window by window in slices of at most ~64 KiB of input so
+    the check's boolean temporaries stay small (they fall inside a measured ``adapt`` call)."""
+    per_window = max(1, x[0].nbytes)
+    step = max(1, _CHECK_CHUNK_BYTES // per_window)
+    n = 0
+    for s in range(0, x.shape[0], step):
+        part = x[s:s + step]
+        if not np.isfinite(part).all():
+            n += int(part.size - np.count_nonzero(np.isfinite(part)))
+    return n
 
 
 def check_labels(manifest: Manifest, y: np.ndarray | None, n_windows: int, what: str = "y") -> None:

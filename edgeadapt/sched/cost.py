@@ -64,7 +64,8 @@ class CostModel:
             (allocator rounding, copies).
         inference_activation_factor: the same for the prefix run as inference (features phase),
             whose session frees intermediate tensors more eagerly.
-        gradient_factor: gradient buffer bytes per trained byte.
+        gradient_factor: gradient bytes per trained byte alive at the step's peak (the kept
+            buffer and the transient gradient the backward adds into it; fitted).
         adamw_state_factor: AdamW state bytes per trained byte (two moments).
         sgd_state_factor: SGD state bytes per trained byte.
         rollback_factor: copies of the trained values kept for rollback.
