@@ -91,6 +91,10 @@ class AdaptPeaks:
             s.sample()
             self._step_total = max(self._step_total, memory.peak_rss_bytes())
             self._step_anon = max(self._step_anon, s.peak_bytes)
+            # the call's peak covers every step's by definition; folding the step's own readings
+            # keeps that true when the kernel's per-CPU RSS counters read a page apart
+            self._call_total = max(self._call_total, self._step_total)
+            self._call_anon = max(self._call_anon, self._step_anon)
 
     def __exit__(self, *exc) -> None:
         if self._on:
