@@ -3,7 +3,8 @@
 The model (docs/cost_model.md has the derivation and the calibration):
 
 * **session** -- opening the training session: a fixed overhead, a fixed amount per op that
-  needs a gradient, and per trained byte its gradient buffer and optimizer state (AdamW: 2
+  needs a gradient and per op of the training graph, the whole-weight copies of channel-split
+  parameters, and per trained byte its gradient buffer and optimizer state (AdamW: 2
   moments; SGD: none);
 * **features** -- with ``cache_features``: the frozen prefix runs as inference over
   micro-batches while the cache of ``n_windows x`` (output bytes of the cut op) fills;
@@ -43,7 +44,7 @@ from .plan import Peak, Plan
 from .resolve import trained_bytes
 
 __all__ = ["CostModel", "predict", "PHASES", "needs_grad", "live_bytes", "activation_arrays", "ActivationArrays",
-           "clean_cut"]
+           "clean_cut", "channel_weight_bytes"]
 
 PHASES = ("session", "features", "rollback", "forward", "backward", "optimizer")
 _CONSTANTS_FILE = "cost_model.json"
@@ -60,6 +61,14 @@ class CostModel:
         grad_op_bytes: fixed bytes per op of the training graph that needs a gradient (the
             runtime's per-node backward buffers, e.g. a convolution's column buffer), held from
             the session's first backward on.
+        graph_op_bytes: fixed bytes per op of the training graph (from its first op to the loss,
+            whether or not it needs a gradient): the session's per-node state of a training
+            graph over the whole model even when only its last ops train.
+        channel_weight_factor: bytes per byte of the *whole* weight of each channel-split
+            parameter (mode ``channels``): the training graph rebuilds the whole weight from
+            its trained and frozen slices (``ConcatTraining`` -> ``Gather``) and its whole
+            gradient (``ConvGrad`` -> ``GatherGrad`` -> ``SplitTraining``), copies the trained
+            bytes do not count.
         activation_factor: measured / modelled activation bytes of the training graph
             (allocator rounding, copies).
         inference_activation_factor: the same for the prefix run as inference (features phase),
@@ -78,6 +87,8 @@ class CostModel:
     prefix_session_overhead_bytes: int = 0
     per_window_bytes: int = 0
     grad_op_bytes: int = 0
+    graph_op_bytes: int = 0
+    channel_weight_factor: float = 0.0
     activation_factor: float = 1.0
     inference_activation_factor: float = 1.0
     gradient_factor: float = 1.0
@@ -93,7 +104,8 @@ class CostModel:
             v = getattr(self, f.name)
             if f.name != "calibration" and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
                 raise ValueError(f"cost model: {f.name} must be a number >= 0, got {v!r}")
-        for f in ("session_overhead_bytes", "prefix_session_overhead_bytes", "per_window_bytes", "grad_op_bytes"):
+        for f in ("session_overhead_bytes", "prefix_session_overhead_bytes", "per_window_bytes", "grad_op_bytes",
+                  "graph_op_bytes"):
             if not isinstance(getattr(self, f), int):
                 raise ValueError(f"cost model: {f} must be an int")
 
@@ -107,6 +119,13 @@ class CostModel:
 
     def session_bytes(self, trained: int, optimizer: str) -> int:
         return self.session_overhead_bytes + math.ceil(trained * (self.gradient_factor + self.state_factor(optimizer)))
+
+    def graph_bytes(self, n_grad_ops: int, n_graph_ops: int, channel_weight_bytes: int) -> int:
+        """Fixed session bytes of the training graph: per op needing a gradient, per op of the graph,
+        and the whole-weight copies of channel-split parameters (``channel_weight_bytes``: their
+        whole weights' bytes)."""
+        return (self.grad_op_bytes * n_grad_ops + self.graph_op_bytes * n_graph_ops
+                + math.ceil(self.channel_weight_factor * channel_weight_bytes))
 
     def rollback_bytes(self, trained: int, optimizer: str) -> int:
         return math.ceil(trained * (self.rollback_factor + self.rollback_state_factor * self.state_factor(optimizer)))
@@ -136,6 +155,13 @@ class CostModel:
         """The constants measured by ``benchmarks/calibrate_cost.py`` and shipped with the package."""
         text = resources.files(__package__).joinpath(_CONSTANTS_FILE).read_text()
         return cls.from_dict(json.loads(text))
+
+
+def channel_weight_bytes(graph: Graph, params) -> int:
+    """Bytes of the whole weights of the parameters planned ``channels`` (channel-split)."""
+    from .plan import Mode
+
+    return sum(graph.param(pp.name).param_bytes for pp in params if pp.mode is Mode.CHANNELS)
 
 
 def needs_grad(graph: Graph, trained_params: set[str], start: int = 0) -> list[bool]:
@@ -303,7 +329,8 @@ def predict(graph: Graph, plan: Plan, cost: CostModel | None = None) -> Peak:
     start = plan.cut + 1 if caching else 0
     m = plan.micro_batch_windows
     arr = activation_arrays(graph, trained_names, start)
-    session = cost.session_bytes(trained, plan.optimizer) + cost.grad_op_bytes * sum(arr.grad)
+    session = cost.session_bytes(trained, plan.optimizer) + cost.graph_bytes(
+        sum(arr.grad), len(graph.ops) - start, channel_weight_bytes(graph, plan.params))
     cache = plan.n_windows * graph.ops[plan.cut].output_bytes if caching else 0
     rollback = cost.rollback_bytes(trained, plan.optimizer)
     held = session + cache + rollback

@@ -8,6 +8,7 @@ agree to the byte; a test checks that on many random plans.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .cost import CostModel, clean_cut
@@ -140,6 +141,10 @@ def timeline(graph: Graph, plan: Plan, cost: CostModel | None = None) -> list[Ti
 
     sim.fixed["session"] = cost.session_bytes(trained, plan.optimizer)
     sim.fixed["grad_op_buffers"] = cost.grad_op_bytes * grad.count(True)
+    sim.fixed["graph_op_buffers"] = cost.graph_op_bytes * (n - start)  # every op of the training graph
+    # Channel-split weights: the graph rebuilds each whole weight and its whole gradient.
+    whole = sum(graph.param(pp.name).param_bytes for pp in plan.params if pp.mode is Mode.CHANNELS)
+    sim.fixed["channel_weight_copies"] = math.ceil(cost.channel_weight_factor * whole)
     sim.record("session", "session")
     if caching:
         sim.fixed["prefix_session"] = cost.prefix_session_overhead_bytes

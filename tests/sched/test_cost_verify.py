@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -9,9 +10,10 @@ from sched_testgraphs import random_graph, random_plan
 
 from edgeadapt.sched import BudgetExceeded, CostModel, Graph, Op, Param, ParamPlan, Plan, predict, verify
 from edgeadapt.sched.cost import PHASES
+from edgeadapt.sched.plan import Mode
 
 COST = CostModel(session_overhead_bytes=100, prefix_session_overhead_bytes=7, per_window_bytes=3, grad_op_bytes=11,
-                 activation_factor=1.3, inference_activation_factor=0.7, rollback_state_factor=1.0,
+                 graph_op_bytes=5, channel_weight_factor=2.3, activation_factor=1.3, inference_activation_factor=0.7, rollback_state_factor=1.0,
                  optimizer_workspace_factor=0.5)
 
 
@@ -81,6 +83,29 @@ def test_verify_rejects_inconsistent_plans(bad, match):
     kwargs.update(bad)
     with pytest.raises(ValueError, match=match):
         verify(g, Plan(**kwargs), cost=CostModel())
+
+
+def test_graph_op_and_channel_weight_terms():
+    """Every op of the training graph costs graph_op_bytes; a channel-split weight costs
+    channel_weight_factor x its whole bytes (not only the trained slice); both held from the session."""
+    g = _chain()
+    params = (ParamPlan("b.w", Mode.CHANNELS, channels=(0,)), ParamPlan("c.h", Mode.FROZEN))
+    plan = Plan(graph="chain", params=params, batch_windows=2, micro_batch_windows=1, n_windows=2)
+    base = predict(g, plan, CostModel())
+    cost = CostModel(graph_op_bytes=7, channel_weight_factor=1.5)
+    peak = predict(g, plan, cost)
+    extra = 7 * 3 + math.ceil(1.5 * 2 * 3 * 4)  # 3 ops in the graph; whole b.w = 24 bytes
+    assert peak.peak_bytes == base.peak_bytes + extra
+    assert all(peak.phases_bytes[k] == base.phases_bytes[k] + extra for k in base.phases_bytes)
+    assert verify(g, plan, cost=cost) == peak
+    full = Plan(graph="chain", params=(ParamPlan("b.w", Mode.FULL), ParamPlan("c.h", Mode.FROZEN)),
+                batch_windows=2, micro_batch_windows=1, n_windows=2)
+    assert predict(g, full, cost).phases_bytes["session"] == predict(g, full, CostModel()).phases_bytes["session"] + 21
+    # Old constants files (without the new keys) still load, the new terms off.
+    d = CostModel.default().to_dict()
+    d.pop("graph_op_bytes"), d.pop("channel_weight_factor")
+    old = CostModel.from_dict(d)
+    assert old.graph_op_bytes == 0 and old.channel_weight_factor == 0.0
 
 
 def test_cost_model_constants_ship_with_the_package():
