@@ -12,43 +12,15 @@ before the moment update); ``sgd`` is plain SGD without momentum.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import onnx
 from onnxruntime.training import artifacts, onnxblock
 from onnxruntime.training.onnxblock import _graph_utils
 
 from ..bundle import LOSSES, OPTIMIZERS  # the manifest's vocabulary, spelled once
+from ..optimizer_config import OptimizerConfig
 
 __all__ = ["LOSSES", "OPTIMIZERS", "OptimizerConfig", "EntropyLoss", "loss_block", "optimizer_block",
            "use_torch_adamw", "torch_loss"]
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    """Optimizer hyper-parameters baked into the optimizer graph (the learning rate is set per step)."""
-
-    name: str = "adamw"
-    lr: float = 1e-3
-    weight_decay: float = 0.01
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-
-    def __post_init__(self) -> None:
-        if self.name not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.name!r}")
-        if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
-        if self.name == "sgd" and self.weight_decay:
-            raise ValueError("sgd here has no weight decay; use weight_decay=0 or optimizer='adamw'")
-
-    def to_dict(self) -> dict:
-        d = {"name": self.name, "lr": self.lr, "weight_decay": self.weight_decay}
-        if self.name == "adamw":
-            d.update(betas=list(self.betas), eps=self.eps)
-        return d
 
 
 class EntropyLoss(onnxblock.Block):

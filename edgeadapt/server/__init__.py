@@ -4,11 +4,11 @@ See ``docs/server.md``. The planner is :func:`edgeadapt.sched.offload.plan_offlo
 package carries its plans out with torch.
 """
 
+from ..optimizer_config import OptimizerConfig
 from ..sched.errors import BudgetExceeded
 from ..sched.offload import BlockTooLarge
 from .checkpoint import CheckpointMismatch
 from .executor import StreamingExecutor
-from .optim import OptimizerSpec
 from .progress import TrainProgress
 from .residency import MemoryLedger, Residency
 from .store import DiskStore, HostStore, OffloadDirError
@@ -16,7 +16,7 @@ from .trace import Block, BlockError, find_blocks, trace_graph
 from .trainer import LOSSES, Trainer, resolve_device
 
 __all__ = [
-    "Trainer", "OptimizerSpec", "LOSSES", "resolve_device", "TrainProgress",
+    "Trainer", "OptimizerConfig", "LOSSES", "resolve_device", "TrainProgress",
     "BudgetExceeded", "BlockTooLarge", "CheckpointMismatch", "OffloadDirError", "BlockError",
     "StreamingExecutor", "MemoryLedger", "Residency", "HostStore", "DiskStore",
     "Block", "find_blocks", "trace_graph",

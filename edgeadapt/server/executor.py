@@ -39,7 +39,8 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 from ..sched.plan import Plan
-from .optim import OptimizerSpec, update_block
+from ..optimizer_config import OptimizerConfig
+from .optim import update_block
 from .residency import MemoryLedger, Residency
 from .store import StateStore
 from .trace import Block
@@ -128,7 +129,7 @@ class StreamingExecutor:
     """
 
     def __init__(self, blocks: list[Block], store: StateStore, ledger: MemoryLedger, device: torch.device,
-                 plan: Plan, optimizer: OptimizerSpec, reduce: ReduceFn | None = None,
+                 plan: Plan, optimizer: OptimizerConfig, reduce: ReduceFn | None = None,
                  chunk_numel: int = 1 << 18):
         self.store, self.ledger, self.device, self.optimizer = store, ledger, device, optimizer
         self.reduce: ReduceFn = reduce or _no_reduce

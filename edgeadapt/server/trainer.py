@@ -42,7 +42,7 @@ from ..sched.plan import Plan, format_bytes, parse_bytes
 from . import checkpoint as _ckpt
 from .allocator import set_mmap_threshold
 from .executor import StreamingExecutor
-from .optim import OptimizerSpec, as_optimizer_spec
+from ..optimizer_config import OptimizerConfig
 from .residency import MemoryLedger, Residency
 from .store import DiskStore, HostStore
 from .trace import Block, find_blocks, trace_graph
@@ -97,7 +97,7 @@ class Trainer:
         model: the model; every parameter is trained; parameters must be float32 and sit in
             blocks (see :func:`edgeadapt.server.trace.find_blocks`).
         loss: ``"cross_entropy"``, ``"mse"``, ``"bce_with_logits"`` or ``fn(output, target)``.
-        optimizer: ``"adamw"``/``"sgd"``, an ``OptimizerConfig`` or an :class:`OptimizerSpec`.
+        optimizer: ``"adamw"``/``"sgd"``, a dict of its fields or an :class:`~edgeadapt.optimizer_config.OptimizerConfig`.
         memory_budget: compute-tier budget (``"64MiB"`` or bytes); ``None``: unlimited.
         offload: ``"host"``, ``"disk"`` or ``None`` (train in memory).
         offload_dir: the disk tier's folder (required for ``"disk"``).
@@ -131,7 +131,7 @@ class Trainer:
         if offload == "disk" and offload_dir is None:
             raise ValueError("offload='disk' needs offload_dir, the folder for the state files")
         self.device = resolve_device(device)
-        self.spec: OptimizerSpec = as_optimizer_spec("adamw" if optimizer is None else optimizer)
+        self.spec: OptimizerConfig = OptimizerConfig.coerce("adamw" if optimizer is None else optimizer)
         if isinstance(loss, str):
             if loss not in LOSSES:
                 raise ValueError(f"loss must be one of {sorted(LOSSES)} or a callable, got {loss!r}")
