@@ -364,6 +364,12 @@ class Manifest:
         return sum(math.prod(p.shape) for p in self.parameters)
 
     @property
+    def batch_statistics(self) -> bool:
+        """True when the training graph normalises with batch statistics (``batchnorm="batch"``):
+        a step then depends on the whole batch, so it cannot be split into micro-batches."""
+        return self.batchnorm == BATCHNORM_MODES[1]
+
+    @property
     def optimizer_state_numel(self) -> int:
         """Elements of optimizer state: AdamW keeps two moments per trained element, SGD none."""
         return 2 * self.trainable_numel if self.optimizer["name"] == "adamw" else 0

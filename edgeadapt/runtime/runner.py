@@ -234,12 +234,12 @@ class Runner:
         """Windows per forward/backward: ``micro_batch``, else the plan's, else the batch."""
         if micro_batch is None:
             micro_batch = (self.manifest.plan or {}).get("micro_batch_windows")
-            if micro_batch is None or self.manifest.batchnorm == "batch":
+            if micro_batch is None or self.manifest.batch_statistics:
                 return batch_size
         if isinstance(micro_batch, bool) or int(micro_batch) != micro_batch or micro_batch < 1:
             raise ValueError(f"micro_batch must be a positive int, got {micro_batch!r}")
         micro_batch = int(micro_batch)
-        if micro_batch < batch_size and self.manifest.batchnorm == "batch":
+        if micro_batch < batch_size and self.manifest.batch_statistics:
             raise ValueError(
                 f"micro_batch={micro_batch} is smaller than the batch ({batch_size} windows), but this bundle "
                 "normalises with batch statistics (manifest batchnorm='batch'): every micro-batch would be "
@@ -380,7 +380,7 @@ class Runner:
         """Graph tensors a training step can change: the trained ones and, with batch-statistics
         BatchNorm, the running statistics (the only frozen tensors a step writes)."""
         names = self._backend.parameter_names(trainable_only=True)
-        if self.manifest.batchnorm == "batch":
+        if self.manifest.batch_statistics:
             names += [n for n in self._backend.parameter_names() if n.endswith(("running_mean", "running_var"))]
         return names
 
@@ -440,7 +440,7 @@ class Runner:
             check_labels(self.manifest, y, X.shape[0])
         if epochs < 1 or batch_size < 1:
             raise ValueError(f"epochs and batch_size must be >= 1, got {epochs} and {batch_size}")
-        if self.manifest.batchnorm != "batch":
+        if not self.manifest.batch_statistics:
             log.info("the bundle normalises with frozen statistics; update_bn_statistics changes nothing")
         n = X.shape[0]
         per_epoch = math.ceil(n / batch_size)
