@@ -41,9 +41,13 @@ def check_inputs(manifest: Manifest, x: np.ndarray, what: str = "X") -> None:
     want = spec.shape
     if x.ndim != len(want) or any(w is not None and w != g for w, g in zip(want, x.shape)):
         shown = ["batch" if w is None else w for w in want]
+        swapped = x.ndim == len(want) >= 3 and all(
+            w is None or w == g for w, g in zip(want, (*x.shape[:-2], x.shape[-1], x.shape[-2])))
+        fix = ("its last two axes are swapped: transpose them (x.transpose(0, 2, 1)); a .npz file stores X as "
+               "(windows, time steps, channels)") if swapped else "window and transpose the data to match"
         raise InputError(
             f"{what} has shape {list(x.shape)}, the bundle expects {shown} "
-            "(windows, channels, time steps as exported); window and transpose the data to match"
+            f"(windows, channels, time steps as exported); {fix}"
         )
     if x.shape[0] == 0:
         raise InputError(f"{what} is empty")

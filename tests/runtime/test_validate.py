@@ -28,3 +28,10 @@ def test_nonfinite_count_is_exact_across_slices(monkeypatch):
     with pytest.raises(InputError, match=r"contains 13 NaN or infinite values"):
         validate.check_inputs(_Manifest(), x)
     validate.check_inputs(_Manifest(), np.ones((10, 8, 256), dtype=np.float32))  # finite: accepted
+
+
+def test_swapped_channel_and_time_axes_get_the_transpose_as_the_fix():
+    with pytest.raises(InputError, match=r"last two axes are swapped: transpose them"):
+        validate.check_inputs(_Manifest(), np.zeros((4, 256, 8), dtype=np.float32))
+    with pytest.raises(InputError, match=r"window and transpose the data to match"):
+        validate.check_inputs(_Manifest(), np.zeros((4, 8, 100), dtype=np.float32))
