@@ -152,10 +152,63 @@ def _average_pools_as_convs(model: onnx.ModelProto) -> int:
     return len(pools)
 
 
+def _instance_norms_decomposed(model: onnx.ModelProto) -> int:
+    """Replace InstanceNormalization by the same arithmetic in ops ONNX Runtime can differentiate.
+
+    ONNX Runtime 1.19.2 registers no gradient for InstanceNormalization, which torch emits for
+    ``GroupNorm`` (``Reshape`` to groups around an InstanceNormalization) and ``InstanceNorm1d/2d``.
+    Per sample and channel over the spatial axes: ``(x - mean) / sqrt(var + eps) * scale + B`` with
+    the biased variance, the definition both torch and ONNX use.
+    """
+    norms = [n for n in model.graph.node if n.op_type == "InstanceNormalization"]
+    if not norms:
+        return 0
+    inferred = onnx.shape_inference.infer_shapes(model).graph
+    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in (*inferred.value_info, *inferred.input)}
+    nodes: list[onnx.NodeProto] = []
+    for node in model.graph.node:
+        if node.op_type != "InstanceNormalization":
+            nodes.append(node)
+            continue
+        x, scale, bias = node.input
+        rank = ranks.get(x)
+        if not rank or rank < 3:
+            raise UnsupportedOpError(
+                "InstanceNormalization", [module_of_node(node.name)],
+                "ONNX Runtime has no gradient for it and its input rank is unknown, so it cannot be rewritten")
+        axes = list(range(2, rank))
+        base, out = node.name, node.output[0]
+        eps, shape = f"{out}__eps", f"{out}__affine_shape"
+        model.graph.initializer.extend([
+            numpy_helper.from_array(np.array(_attr(node, "epsilon", 1e-5), dtype=np.float32), eps),
+            numpy_helper.from_array(np.array([1, -1] + [1] * (rank - 2), dtype=np.int64), shape),
+        ])
+        t = {k: f"{out}__{k}" for k in ("mean", "centred", "square", "var", "var_eps", "std", "normed", "scale", "bias", "scaled")}
+        make = onnx.helper.make_node
+        nodes += [
+            make("ReduceMean", [x], [t["mean"]], name=f"{base}_mean", axes=axes, keepdims=1),
+            make("Sub", [x, t["mean"]], [t["centred"]], name=f"{base}_centre"),
+            make("Mul", [t["centred"], t["centred"]], [t["square"]], name=f"{base}_square"),
+            make("ReduceMean", [t["square"]], [t["var"]], name=f"{base}_var", axes=axes, keepdims=1),
+            make("Add", [t["var"], eps], [t["var_eps"]], name=f"{base}_var_eps"),
+            make("Sqrt", [t["var_eps"]], [t["std"]], name=f"{base}_std"),
+            make("Div", [t["centred"], t["std"]], [t["normed"]], name=f"{base}_normalise"),
+            make("Reshape", [scale, shape], [t["scale"]], name=f"{base}_scale_shape"),
+            make("Reshape", [bias, shape], [t["bias"]], name=f"{base}_bias_shape"),
+            make("Mul", [t["normed"], t["scale"]], [t["scaled"]], name=f"{base}_scale"),
+            make("Add", [t["scaled"], t["bias"]], [out], name=f"{base}_shift"),
+        ]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return len(norms)
+
+
 def _fit_for_ort_gradients(model: onnx.ModelProto) -> None:
     """Rewrite patterns whose gradients ONNX Runtime 1.19.2 gets wrong or cannot build.
 
     * AveragePool: see :func:`_average_pools_as_convs` (runs first; yields grouped Convs).
+    * InstanceNormalization (GroupNorm, InstanceNorm): no gradient registered; see
+      :func:`_instance_norms_decomposed`.
     * Grouped Conv (``group > 1``, e.g. depthwise): its ConvGrad kernel overwrites the incoming
       output-gradient buffer. When that buffer is shared (the conv feeds a residual Add, or has
       several consumers) the other branch receives garbage. A ``Mul`` by a ones tensor after the
@@ -164,6 +217,7 @@ def _fit_for_ort_gradients(model: onnx.ModelProto) -> None:
       ``Mean`` and ``InvStdDev`` outputs, so they are declared.
     """
     _average_pools_as_convs(model)
+    _instance_norms_decomposed(model)
     nodes = []
     for node in model.graph.node:
         nodes.append(node)

@@ -122,6 +122,37 @@ def make_cnn2d(seed: int = 0, n_classes: int = 3):
     return as_if_pretrained(CNN2d()).eval()
 
 
+def make_groupnorm(seed: int = 0, n_classes: int = 3):
+    """Conv1d-GroupNorm-ReLU, Conv1d-InstanceNorm1d(affine)-ReLU, mean over time, head: the norms
+    torch exports as InstanceNormalization, which the exporter rewrites into differentiable ops."""
+    import torch
+    from torch import nn
+
+    class GroupNormNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1 = nn.Conv1d(4, 8, 3, padding=1)
+            self.gn = nn.GroupNorm(2, 8)
+            # no bias: a per-channel bias before an instance norm cancels out (its gradient is float
+            # noise, which Adam would turn into full-size steps)
+            self.conv2 = nn.Conv1d(8, 8, 3, padding=1, bias=False)
+            self.inorm = nn.InstanceNorm1d(8, affine=True)
+            self.head = nn.Linear(8, n_classes)
+
+        def forward(self, x):
+            x = torch.relu(self.gn(self.conv1(x)))
+            x = torch.relu(self.inorm(self.conv2(x)))
+            return self.head(x.mean(-1))
+
+    torch.manual_seed(seed)
+    model = GroupNormNet()
+    with torch.no_grad():  # non-trivial affines, as after pretraining
+        for norm in (model.gn, model.inorm):
+            norm.weight.uniform_(0.5, 1.5)
+            norm.bias.uniform_(-0.3, 0.3)
+    return model.eval()
+
+
 def strip_plan(src: Path, dst: Path) -> None:
     """Copy bundle ``src`` to ``dst`` as a bundle written before memory plans existed: no ``plan``
     or ``graph`` in the manifest, no settings stamps in the graphs (checksums recomputed)."""

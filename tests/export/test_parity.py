@@ -15,7 +15,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from helpers import make_cnn, make_cnn2d, make_data, make_transformer
+from helpers import make_cnn, make_cnn2d, make_data, make_groupnorm, make_transformer
 
 from edgeadapt.export import OptimizerConfig, Rule, UpdatePolicy, export_bundle
 from edgeadapt.export.objectives import torch_loss
@@ -34,6 +34,8 @@ POLICIES = {
                                        Rule("bn", "full"))),
     "tf-channels": UpdatePolicy(rules=(Rule("head", "full"), Rule("qkv", "channels", ratio=0.25),
                                        Rule("norm2", "full"))),
+    "gn-channels": UpdatePolicy(rules=(Rule("head", "full"), Rule("conv1", "channels", indices=(0, 5)),
+                                       Rule("gn", "full"), Rule("inorm", "bias"))),
 }
 
 
@@ -92,13 +94,15 @@ CASES = [
     ("cnn2d", "2d-channels", "cross_entropy", "adamw"),
     ("transformer", "full", "cross_entropy", "adamw"),
     ("transformer", "tf-channels", "cross_entropy", "adamw"),
+    ("groupnorm", "full", "cross_entropy", "adamw"),
+    ("groupnorm", "gn-channels", "mse", "adamw"),
 ]
 
 
 @pytest.mark.parametrize("arch,policy,loss,opt_name", CASES, ids=["-".join(c) for c in CASES])
 def test_runner_matches_torch_autograd(tmp_path, arch, policy, loss, opt_name):
     rng = np.random.default_rng(1)
-    model = {"cnn": make_cnn, "cnn2d": make_cnn2d, "transformer": make_transformer}[arch]()
+    model = {"cnn": make_cnn, "cnn2d": make_cnn2d, "transformer": make_transformer, "groupnorm": make_groupnorm}[arch]()
     X, _ = make_data(rng, n=STEPS * BATCH, n_channels=8 if arch == "cnn2d" else 4)
     if arch == "cnn2d":  # (windows, 2, 8, 8): e.g. two spectrogram channels
         X = X.reshape(len(X), 2, 8, 8)
