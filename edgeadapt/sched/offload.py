@@ -28,6 +28,13 @@ The cost model (what the executor reserves, per step of ``b`` windows):
 A kept block holds ``saved + output`` bytes per window until its backward; a recomputed
 block keeps only its output (the next block's input) and rebuilds the rest in backward.
 
+A *resident* op (kind :data:`RESIDENT_KIND`: the parameters outside every streamed block,
+e.g. a positional embedding on the model's root module) is not streamed: its weights come in
+before the forward and its gradients exist until the end of the backward, so both are held
+for the whole step on top of everything above; its update runs after the backward (the phase
+``update``), holding its weights, gradients and staged state. It is neither prefetched nor
+recomputed and appears in neither ``Plan.order`` nor ``Plan.activations``.
+
 Pure Python (no torch): the planner never touches tensors.
 """
 
@@ -39,7 +46,11 @@ from .errors import BudgetExceeded
 from .ir import Graph
 from .plan import Action, Mode, ParamPlan, Peak, Plan, Tier, format_bytes
 
-__all__ = ["BudgetExceeded", "BlockTooLarge", "BlockCost", "block_costs", "plan_offload", "offload_peak", "OPTIMIZER_STATE_COPIES"]
+__all__ = ["BudgetExceeded", "BlockTooLarge", "BlockCost", "block_costs", "plan_offload", "offload_peak",
+           "OPTIMIZER_STATE_COPIES", "RESIDENT_KIND"]
+
+RESIDENT_KIND = "resident"
+"""Op kind of a block that is held in the compute tier for the whole step (not streamed)."""
 
 OPTIMIZER_STATE_COPIES = {"adamw": 2, "sgd": 0}
 """Optimizer-state tensors per parameter tensor (AdamW: first and second moment)."""
@@ -75,6 +86,8 @@ class BlockCost:
         saved_bytes: what its backward keeps (``b`` windows).
         output_bytes: its output (``b`` windows).
         input_bytes: its input (``b`` windows): the previous block's output or the batch.
+        resident: held for the whole step (an op of kind :data:`RESIDENT_KIND`; no activation
+            bytes, and the chain of inputs and outputs skips it).
     """
 
     name: str
@@ -84,6 +97,7 @@ class BlockCost:
     saved_bytes: int
     output_bytes: int
     input_bytes: int
+    resident: bool = False
 
     @property
     def update_bytes(self) -> int:
@@ -113,6 +127,9 @@ def block_costs(graph: Graph, batch_windows: int, *, optimizer: str = "adamw",
         per_vector = w if staging_chunk_bytes is None else min(w, staging_chunk_bytes)
         # master weights + optimizer state + one temporary of the vectorised update
         st = per_vector * (2 + OPTIMIZER_STATE_COPIES[optimizer]) if staging else 0
+        if op.kind == RESIDENT_KIND:
+            out.append(BlockCost(op.name, w, w, st, 0, 0, 0, resident=True))
+            continue
         out.append(BlockCost(op.name, w, w, st, op.saved_bytes * batch_windows, op.output_bytes * batch_windows,
                              prev_out * batch_windows))
         prev_out = op.output_bytes
@@ -125,10 +142,16 @@ def offload_peak(costs: list[BlockCost], recompute: list[bool], prefetch_depth: 
 
     Args:
         costs: from :func:`block_costs`.
-        recompute: per block, True when its activations are recomputed.
+        recompute: per block (aligned with ``costs``), True when its activations are
+            recomputed (ignored for resident blocks).
         prefetch_depth: blocks brought in ahead of use.
         fixed_bytes: held throughout (buffers and the input batch).
     """
+    resident = [c for c in costs if c.resident]
+    recompute = [r for c, r in zip(costs, recompute) if not c.resident]
+    costs = [c for c in costs if not c.resident]
+    # resident blocks: weights from before the forward, gradients until after the backward
+    fixed_bytes += sum(c.weight_bytes + c.grad_bytes for c in resident)
     n = len(costs)
     act = [c.output_bytes + (0 if r else c.saved_bytes) for c, r in zip(costs, recompute)]
     best = (fixed_bytes, "start")
@@ -153,6 +176,12 @@ def offload_peak(costs: list[BlockCost], recompute: list[bool], prefetch_depth: 
         phases["backward"] = max(phases["backward"], total)
         if total > best[0]:
             best = (total, f"backward:{c.name}")
+    if resident:
+        # after the backward: every streamed block is gone; the resident blocks' updates stage their state
+        total = fixed_bytes + max(c.staging_bytes for c in resident)
+        phases["update"] = total
+        if total > best[0]:
+            best = (total, f"update:{max(resident, key=lambda c: c.staging_bytes).name}")
     return Peak(best[0], best[1], phases)
 
 
@@ -199,25 +228,31 @@ def plan_offload(graph: Graph, budget_bytes: int, *, batch_windows: int = 1, tie
     costs = block_costs(graph, batch_windows, optimizer=optimizer, staging=staging,
                         staging_chunk_bytes=staging_chunk_bytes)
     fixed = resident_bytes + graph.input_bytes * batch_windows
+    # the resident blocks' weights and gradients are held for the whole step
+    held_res = sum(c.weight_bytes + c.grad_bytes for c in costs if c.resident)
 
-    worst = max(costs, key=lambda c: c.update_bytes)
-    if fixed + worst.update_bytes > budget_bytes:
+    def alone(c: BlockCost) -> int:
+        return fixed + (held_res + c.staging_bytes if c.resident else held_res + c.update_bytes)
+
+    worst = max(costs, key=alone)
+    if alone(worst) > budget_bytes:
         parts = f"weights {format_bytes(worst.weight_bytes)} + gradients {format_bytes(worst.grad_bytes)}"
         if worst.staging_bytes:
             parts += f" + staged master weights and {optimizer} state {format_bytes(worst.staging_bytes)}"
+        others = held_res - (worst.weight_bytes + worst.grad_bytes if worst.resident else 0)
+        if others:
+            parts += f" + weights and gradients of the resident blocks, held all step {format_bytes(others)}"
         if fixed:
             parts += f" + always-resident buffers and input {format_bytes(fixed)}"
-        need = fixed + worst.update_bytes
+        need = alone(worst)
+        what = "the parameters outside every block (held for the whole step)" if worst.resident else "the block"
         raise BlockTooLarge(
             need, budget_bytes, worst.name,
             f"block {worst.name!r} alone holds {parts}; raise the budget to at least {format_bytes(need)} plus room "
-            "for activations, or split the block into smaller modules")
+            f"for activations, or split {what} into smaller modules")
 
     n = len(costs)
-    if recompute is True:
-        rec = [True] * n
-    else:
-        rec = [False] * n
+    rec = [bool(recompute is True) and not c.resident for c in costs]
     depth = prefetch_depth
 
     def peak() -> Peak:
@@ -228,7 +263,7 @@ def plan_offload(graph: Graph, budget_bytes: int, *, batch_windows: int = 1, tie
         for k in sorted(range(n), key=lambda i: -costs[i].saved_bytes):
             if p.peak_bytes <= budget_bytes:
                 break
-            if costs[k].saved_bytes == 0:
+            if costs[k].saved_bytes == 0 or costs[k].resident:
                 continue
             rec[k] = True
             q = peak()
@@ -244,7 +279,8 @@ def plan_offload(graph: Graph, budget_bytes: int, *, batch_windows: int = 1, tie
                 "; recompute='auto' (or True) trades compute for activation memory")
         raise BudgetExceeded(
             p.peak_bytes, budget_bytes, p.where,
-            detail=f"one step of {batch_windows} windows (prefetch {depth}, {sum(rec)} of {n} blocks recomputed) "
+            detail=f"one step of {batch_windows} windows (prefetch {depth}, {sum(rec)} of "
+                   f"{sum(not c.resident for c in costs)} blocks recomputed) "
                    f"does not fit; lower the batch size or raise the budget{hint}")
 
     ptier = Tier(tier)
@@ -252,7 +288,9 @@ def plan_offload(graph: Graph, budget_bytes: int, *, batch_windows: int = 1, tie
         graph=graph.name,
         params=tuple(ParamPlan(p_.name, Mode.FULL, None, ptier) for p_ in graph.params),
         cut=-1, batch_windows=batch_windows, micro_batch_windows=batch_windows, n_windows=batch_windows,
-        activations=tuple((c.name, Action.RECOMPUTE if r else Action.KEEP) for c, r in zip(costs, rec)),
-        order=tuple(op.name for op in graph.ops), prefetch_depth=depth, optimizer=optimizer,
+        activations=tuple((c.name, Action.RECOMPUTE if r else Action.KEEP) for c, r in zip(costs, rec)
+                          if not c.resident),
+        order=tuple(op.name for op in graph.ops if op.kind != RESIDENT_KIND), prefetch_depth=depth,
+        optimizer=optimizer,
         budget_bytes=budget_bytes, predicted=p,
     )

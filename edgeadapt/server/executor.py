@@ -19,6 +19,14 @@ one optimizer step after the whole backward (no block's backward reads another b
 weights). A block must run once per forward; gradient clipping by the global norm is not
 possible in this scheme.
 
+The root block (``Block.resident``: parameters outside every streamed block, e.g. a
+positional embedding on the model itself) is not streamed: a forward pre-hook on the model
+brings its weights in (and reserves its gradients) before the model's forward and binds them
+to the owning modules as leaves, so that autograd accumulates their gradient over every use
+(in the model's own code or passed into blocks); :meth:`StreamingExecutor.update_resident`,
+called after the backward, hands that gradient to the same reduction and CPU update and
+releases the weights.
+
 Every byte the executor holds in the compute tier is reserved in the
 :class:`~edgeadapt.server.residency.MemoryLedger` before it is allocated (weights, prefetched
 weights, gradients, staged optimizer state) or charged as soon as it exists (activations:
@@ -86,6 +94,9 @@ class BlockSlot:
     future: Future | None = None
     event: object = None
     steps: list[int] = field(default_factory=list)
+    full_names: tuple[str, ...] = ()
+    resident: bool = False
+    placeholders: list[torch.Tensor] | None = None
 
     @property
     def weight_bytes(self) -> int:
@@ -137,15 +148,18 @@ class StreamingExecutor:
         self.chunk_numel = int(chunk_numel)
         self.slots: list[BlockSlot] = []
         for i, b in enumerate(blocks):
-            named = list(b.module.named_parameters())
-            shapes = tuple(p.shape for _, p in named)
+            shapes = tuple(p.shape for p in b.parameters())
             offsets, o = [], 0
             for s in shapes:
                 offsets.append(o)
                 o += s.numel()
-            self.slots.append(BlockSlot(i, b.name, b.module, tuple(n for n, _ in named), shapes, tuple(offsets), o,
-                                        steps=[0] * len(named)))
+            self.slots.append(BlockSlot(i, b.name, b.module, b.local_names, shapes, tuple(offsets), o,
+                                        steps=[0] * len(shapes), full_names=b.param_names, resident=b.resident))
         self._by_name = {s.name: s for s in self.slots}
+        self.resident_slots = [s for s in self.slots if s.resident]
+        self._root_hook = None
+        self._hooks_on = True
+        self._act_ptrs: dict[int, int] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgeadapt-prefetch")
         self._updater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgeadapt-update")
         self._pending: list[Future] = []
@@ -163,6 +177,7 @@ class StreamingExecutor:
         """Adopt a (re-)plan: order, prefetch depth and keep/recompute per block."""
         self.plan = plan
         order = [self._by_name[n].index for n in plan.order] if plan.order else [s.index for s in self.slots]
+        order = [i for i in order if not self.slots[i].resident]
         self.schedule = order + order[::-1]
         self.depth = plan.prefetch_depth
         self.recompute = {self._by_name[n].index for n in plan.recomputed}
@@ -172,36 +187,91 @@ class StreamingExecutor:
         optimizer state."""
         for s in self.slots:
             flat = torch.empty(s.numel, dtype=torch.float32)
-            for v, n in zip(s.views(flat), s.local_names):
-                v.copy_(params[f"{s.name}.{n}"].detach().to(torch.float32))
+            for v, n in zip(s.views(flat), s.full_names):
+                v.copy_(params[n].detach().to(torch.float32))
             self.store.write(s.index, "param", flat)
             for k in self.optimizer.state_kinds:
                 self.store.write(s.index, k, torch.zeros(s.numel, dtype=torch.float32))
 
     def install(self) -> None:
-        """Route each block's calls through the executor and drop its own parameter storage."""
+        """Route each block's calls through the executor and drop its own parameter storage; the
+        root block's parameters are brought in by a forward pre-hook on the model."""
         for s in self.slots:
             if s.index in self._originals:
                 continue
             mod = s.module
             self._originals[s.index] = type(mod).forward.__get__(mod)
-            for n in s.local_names:
-                owner, _, leaf = n.rpartition(".")
-                m = mod.get_submodule(owner) if owner else mod
-                m._parameters[leaf] = nn.Parameter(torch.empty(0), requires_grad=True)
-            mod.forward = self._make_forward(s)
+            placeholders = [nn.Parameter(torch.empty(0), requires_grad=True) for _ in s.local_names]
+            _bind(mod, s.local_names, placeholders)
+            if s.resident:
+                s.placeholders = placeholders
+                if self._root_hook is None:
+                    ex = self
+
+                    def root_pre_hook(module, args):  # a plain function: a deepcopy of the model shares it
+                        ex._load_resident()
+
+                    self._root_hook = mod.register_forward_pre_hook(root_pre_hook)
+            else:
+                mod.forward = self._make_forward(s)
+
+    @property
+    def root_hook_id(self) -> int | None:
+        """The id of the model's forward pre-hook (to remove it from a copy of the model)."""
+        return None if self._root_hook is None else self._root_hook.id
 
     @contextlib.contextmanager
     def uninstalled(self):
-        """The blocks' own forwards for the body (a shape trace of the model)."""
+        """The blocks' own forwards for the body (a shape trace of the model), the root hook off."""
         patched = {s.index: s.module.__dict__.pop("forward") for s in self.slots if "forward" in s.module.__dict__}
+        self._hooks_on = False
         try:
             yield
         finally:
+            self._hooks_on = True
             for s in self.slots:
                 if s.index in patched:
                     s.module.forward = patched[s.index]
 
+    # ---- the root block ---------------------------------------------------------------------
+    def _load_resident(self) -> None:
+        """Bring the root block in for the step (the model's forward pre-hook): its weights and,
+        with gradients enabled, the reservation of its gradients, held until
+        :meth:`update_resident` (or :meth:`end_step`)."""
+        if not self._hooks_on:
+            return
+        grad = torch.is_grad_enabled()
+        for s in self.resident_slots:
+            if s.state is Residency.RESIDENT:
+                continue  # a second forward in the same step: the gradients accumulate
+            if grad:
+                self.ledger.reserve(f"grads:{s.name}", s.weight_bytes)
+            try:
+                self.acquire(s.index)
+            except BaseException:
+                self.ledger.release(f"grads:{s.name}")
+                raise
+            if not grad:
+                s.leaves = [v.detach() for v in s.leaves]
+            # autograd keeps these leaves for backward: they are charged as weights, not activations
+            self._act_ptrs.setdefault(_storage_ptr(s.flat), 0)
+            _bind(s.module, s.local_names, s.leaves)
+
+    def update_resident(self) -> None:
+        """After the backward: reduce and update the root block with the gradient accumulated over
+        the step, then release its weights (the gradients' reservation goes with the update)."""
+        for s in self.resident_slots:
+            if s.state is not Residency.RESIDENT or s.leaves is None:
+                continue
+            grads = [v.grad for v in s.leaves]
+            for v in s.leaves:
+                v.grad = None
+            self.release(s.index)
+            if all(g is None for g in grads):
+                self.ledger.release(f"grads:{s.name}")
+                continue
+            self.update(s, grads)  # owns the gradients' reservation from here on
+            del grads
     def _make_forward(self, slot: BlockSlot):
         def forward(*args, **kwargs):
             return self._call_block(slot, args, kwargs)
@@ -275,6 +345,8 @@ class StreamingExecutor:
             slot.flat.untyped_storage().resize_(0)
         else:
             slot.flat, slot.leaves = None, None
+        if slot.resident and slot.placeholders is not None:
+            _bind(slot.module, slot.local_names, slot.placeholders)
         self.ledger.release(f"weights:{slot.name}")
         slot.state = Residency.OFFLOADED
 
@@ -298,9 +370,10 @@ class StreamingExecutor:
     def begin_step(self) -> None:
         self._ran.clear()
         self._act_keys.clear()
-        self._act_ptrs: dict[int, int] = {}
-        self.prefetch(self.schedule[0])
-        self._prefetch_after(0)
+        self._act_ptrs = {}
+        if self.schedule:
+            self.prefetch(self.schedule[0])
+            self._prefetch_after(0)
 
     def wait_updates(self) -> None:
         """Wait for the step's optimizer updates; re-raises the first failure."""
@@ -317,6 +390,8 @@ class StreamingExecutor:
         for s in self.slots:
             if s.state is not Residency.OFFLOADED or s.flat is not None:
                 self.release(s.index)
+        for s in self.resident_slots:  # a step that failed before update_resident
+            self.ledger.release(f"grads:{s.name}")
         for k in list(self._act_keys):
             self.ledger.release(f"activations:{self.slots[k].name}")
         self._act_keys.clear()
@@ -443,6 +518,9 @@ class StreamingExecutor:
 
     def close(self) -> None:
         self.wait_updates()
+        if self._root_hook is not None:
+            self._root_hook.remove()
+            self._root_hook = None
         self._pool.shutdown(wait=True)
         self._updater.shutdown(wait=True)
         self._io.shutdown(wait=True)
@@ -538,6 +616,13 @@ class _Call:
         del pgrads
         it = iter(igrads)
         return tuple(next(it) if need and x.requires_grad else None for x, need in zip(xs, need_in))
+
+
+def _bind(module: nn.Module, names: tuple[str, ...], tensors: list[torch.Tensor]) -> None:
+    """Register ``tensors`` as the parameters ``names`` (dotted paths under ``module``)."""
+    for n, t in zip(names, tensors):
+        owner, _, leaf = n.rpartition(".")
+        (module.get_submodule(owner) if owner else module)._parameters[leaf] = t
 
 
 def _nested_tensors(value) -> list[torch.Tensor]:

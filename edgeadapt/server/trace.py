@@ -5,6 +5,13 @@ A *block* is the unit the streaming trainer moves between tiers: each item of a 
 other top-level child module that owns parameters. Modules without parameters (pooling, activations) stay where they are and run as
 ordinary torch code between blocks.
 
+The parameters outside every such block (directly on the root module, e.g. a positional
+embedding or a class token, or directly on a top-level container) form one more block, the
+*root block* :data:`ROOT_BLOCK`, with ``resident=True``: the trainer brings it in before the
+model's forward, keeps it for the whole step and updates it after the backward, so it may be
+read anywhere in the model's own ``forward`` and passed into blocks as an argument. It comes
+first in :func:`find_blocks`' list and in the graph, as an op of kind ``"resident"``.
+
 Activation bytes come from a shape trace on the ``meta`` device (no memory, no compute, no
 random numbers drawn, no statistics updated): forward hooks mark which block runs, and
 ``saved_tensors_hooks`` sees every tensor autograd keeps for backward. Per block the graph
@@ -28,8 +35,12 @@ import torch
 from torch import nn
 
 from ..sched.ir import DTYPE_BYTES, Graph, Op, Param
+from ..sched.offload import RESIDENT_KIND
 
-__all__ = ["Block", "find_blocks", "trace_graph", "BlockError"]
+__all__ = ["Block", "find_blocks", "trace_graph", "BlockError", "ROOT_BLOCK"]
+
+ROOT_BLOCK = "<root>"
+"""Name of the block of the parameters outside every streamed block (no module path has it)."""
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +54,38 @@ class Block:
     """One unit of streaming.
 
     Attributes:
-        name: the module path (``"layers.3"``, ``"head"``).
-        module: the module itself.
+        name: the module path (``"layers.3"``, ``"head"``); :data:`ROOT_BLOCK` for the root block.
+        module: the module itself (the model for the root block).
         param_names: full parameter names (``"layers.3.attn.q.weight"``) in registration order.
+        resident: the root block: the parameters outside every streamed block, held in the
+            compute tier for the whole step instead of streamed.
     """
 
     name: str
     module: nn.Module
     param_names: tuple[str, ...]
+    resident: bool = False
+
+    @property
+    def local_names(self) -> tuple[str, ...]:
+        """Parameter names relative to :attr:`module` (the full names for the root block)."""
+        if self.resident:
+            return self.param_names
+        return tuple(n[len(self.name) + 1:] for n in self.param_names)
+
+    def full_name(self, local: str) -> str:
+        """The full parameter name of ``local`` (a name of :attr:`local_names`)."""
+        return local if self.resident else f"{self.name}.{local}"
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The block's parameter tensors, in :attr:`param_names` order."""
+        return [get_param(self.module, n) for n in self.local_names]
+
+
+def get_param(module: nn.Module, name: str) -> torch.Tensor:
+    """The tensor registered as parameter ``name`` (a dotted path) under ``module``."""
+    owner, _, leaf = name.rpartition(".")
+    return (module.get_submodule(owner) if owner else module)._parameters[leaf]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -58,34 +93,37 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def find_blocks(model: nn.Module) -> list[Block]:
-    """The blocks of ``model`` in registration order.
+    """The blocks of ``model``: the root block (if any) first, then the streamed blocks in
+    registration order.
+
+    The root block (:data:`ROOT_BLOCK`, ``resident=True``) holds the parameters registered
+    directly on the root module and directly on a top-level ``nn.ModuleList``/``nn.Sequential``
+    (outside its items); it exists only when there are such parameters.
 
     Raises:
-        BlockError: a parameter sits directly on the root module, a parameter is shared
-            between two blocks (tied weights), or the model has no parameters.
+        BlockError: a parameter is shared between two blocks, or registered twice (tied
+            weights), or the model has no parameters.
     """
-    root_params = [n for n, _ in model.named_parameters(recurse=False)]
-    if root_params:
-        raise BlockError(f"parameters {root_params} sit directly on the root module {type(model).__name__}, "
-                         "outside any block; move them into a child module (e.g. an nn.Embedding) so that "
-                         "they can be streamed")
-    blocks: list[Block] = []
     containers = (nn.ModuleList, nn.Sequential)
+    loose = [n for n, _ in model.named_parameters(recurse=False, remove_duplicate=False)]
+    blocks: list[Block] = []
     top = [("", model)] if isinstance(model, containers) else list(model.named_children())
     for cname, child in top:
         items = list(child.named_children()) if isinstance(child, containers) else [("", child)]
-        if isinstance(child, containers) and cname and any(True for _ in child.parameters(recurse=False)):
-            raise BlockError(f"container {cname!r} owns parameters directly; they belong in its items")
+        if isinstance(child, containers) and cname:
+            loose += [f"{cname}.{n}" for n, _ in child.named_parameters(recurse=False, remove_duplicate=False)]
         for iname, mod in items:
             name = ".".join(n for n in (cname, iname) if n)
             pnames = tuple(f"{name}.{n}" for n, _ in mod.named_parameters(remove_duplicate=False))
             if pnames:
                 blocks.append(Block(name, mod, pnames))
+    if loose:
+        blocks.insert(0, Block(ROOT_BLOCK, model, tuple(loose), resident=True))
     if not blocks:
         raise BlockError(f"{type(model).__name__} has no parameters to train")
     seen: dict[int, str] = {}
     for b in blocks:
-        for pn, p in zip(b.param_names, (t for _, t in b.module.named_parameters(remove_duplicate=False))):
+        for pn, p in zip(b.param_names, b.parameters()):
             if id(p) in seen:
                 raise BlockError(f"parameter {pn!r} is the same tensor as {seen[id(p)]!r} (tied weights); the "
                                  "streaming trainer moves each block's parameters on their own, so untie them "
@@ -128,7 +166,9 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
             hold them (a model whose weights the trainer has moved out); float32 assumed.
 
     Returns:
-        A :class:`Graph` with one op of kind ``"block"`` per block, in execution order.
+        A :class:`Graph` with one op of kind ``"block"`` per streamed block, in execution
+        order, after the root block's op of kind ``"resident"`` (no activation bytes: it is
+        held for the whole step) when the model has one.
 
     Raises:
         BlockError: a block runs twice in one forward, or never runs.
@@ -143,7 +183,7 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
     state.update({n: torch.empty_like(b, device="meta") for n, b in model.named_buffers()})
     param_keys = {id(t) for t in state.values()}
 
-    by_module = {id(b.module): i for i, b in enumerate(blocks)}
+    by_module = {id(b.module): i for i, b in enumerate(blocks) if not b.resident}
     order: list[int] = []
     saved: dict[int, dict[int, int]] = {i: {} for i in range(len(blocks))}
     in_keys: dict[int, set[int]] = {}
@@ -177,6 +217,8 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
 
     handles = []
     for b in blocks:
+        if b.resident:
+            continue
         handles.append(b.module.register_forward_pre_hook(pre))
         handles.append(b.module.register_forward_hook(post))
     try:
@@ -186,7 +228,7 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
     finally:
         for h in handles:
             h.remove()
-    missing = [blocks[i].name for i in range(len(blocks)) if i not in order]
+    missing = [blocks[i].name for i in range(len(blocks)) if i not in order and not blocks[i].resident]
     if missing:
         raise BlockError(f"blocks {missing} never run in the forward of the example input; the streaming "
                          "trainer needs every parameter block on the path")
@@ -195,15 +237,23 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
     params: list[Param] = []
     ops: list[Op] = []
     prev: str | None = None
-    for i in order:
-        b = blocks[i]
+    per = lambda v: -(-v // batch)  # noqa: E731  (ceil per window)
+
+    def add_params(b: Block) -> None:
         for pn in b.param_names:
             p = named[pn]
-            mod_path = pn.rsplit(".", 1)[0]
+            mod_path = pn.rpartition(".")[0]
             params.append(Param(pn, tuple(p.shape), DTYPE_BYTES.get(_dtype_name(p.dtype), p.element_size()),
                                 module=mod_path, module_type=type(model.get_submodule(mod_path)).__name__))
+
+    for b in blocks:
+        if b.resident:
+            add_params(b)
+            ops.append(Op(b.name, RESIDENT_KIND, params=b.param_names, module=""))
+    for i in order:
+        b = blocks[i]
+        add_params(b)
         numel = sum(named[pn].numel() for pn in b.param_names)
-        per = lambda v: -(-v // batch)  # noqa: E731  (ceil per window)
         ops.append(Op(b.name, "block", params=b.param_names, inputs=() if prev is None else (prev,),
                       output_bytes=per(out_bytes[i]), saved_bytes=per(sum(saved[i].values())),
                       workspace_bytes=per(out_bytes[i]),

@@ -94,8 +94,9 @@ class Trainer:
     """Full training of ``model`` under a compute-memory budget, optionally offloaded.
 
     Args:
-        model: the model; every parameter is trained; parameters must be float32 and sit in
-            blocks (see :func:`edgeadapt.server.trace.find_blocks`).
+        model: the model; every parameter is trained; parameters must be float32 (see
+            :func:`edgeadapt.server.trace.find_blocks` for how the model is cut into blocks;
+            parameters outside every block are held in the compute tier for the whole step).
         loss: ``"cross_entropy"``, ``"mse"``, ``"bce_with_logits"`` or ``fn(output, target)``.
         optimizer: ``"adamw"``/``"sgd"``, a dict of its fields or an :class:`~edgeadapt.optimizer_config.OptimizerConfig`.
         memory_budget: compute-tier budget (``"64MiB"`` or bytes); ``None``: unlimited.
@@ -188,7 +189,7 @@ class Trainer:
             self.ledger.reserve("optimizer", sum(4 * p.numel() for p in params) * len(self.spec.state_kinds))
             self.store = None
         else:
-            numels = [sum(p.numel() for p in b.module.parameters()) for b in self.blocks]
+            numels = [sum(p.numel() for p in b.parameters()) for b in self.blocks]
             kinds = ("param", *self.spec.state_kinds)
             if offload == "disk":
                 self.store = DiskStore(numels, kinds, offload_dir)
@@ -217,7 +218,7 @@ class Trainer:
 
         return Plan(graph=type(self._model).__name__,
                     params=tuple(ParamPlan(n, Mode.FULL, None, Tier(self.offload)) for n in self.param_shapes),
-                    order=tuple(b.name for b in self.blocks), prefetch_depth=self.prefetch_depth)
+                    order=tuple(b.name for b in self.blocks if not b.resident), prefetch_depth=self.prefetch_depth)
 
     def _plan_for(self, batch: int) -> Plan | None:
         if self.offload is None:
@@ -298,9 +299,13 @@ class Trainer:
                 self.ledger.reserve("grads", sum(4 * p.numel() for p in self._model.parameters()))
             loss.backward()
             del loss, outside
+            if ex is not None:
+                # the backward freed what the ops outside the blocks saved; then the root block's update
+                self.ledger.release("activations:outside")
+                ex.update_resident()
             if ex is None:
                 for b in self.blocks:
-                    grads = [p.grad for p in b.module.parameters() if p.grad is not None]
+                    grads = [p.grad for p in b.parameters() if p.grad is not None]
                     self._reduce(b.name, grads)
                 self._opt.step()
                 self._opt.zero_grad(set_to_none=True)
@@ -372,45 +377,44 @@ class Trainer:
         b = self.blocks[index]
         out: dict[str, dict[str, torch.Tensor]] = {}
         if self.executor is None:
-            params = dict(b.module.named_parameters())
-            out["param"] = {f"{b.name}.{n}": p.detach().cpu().clone() for n, p in params.items()}
+            params = dict(zip(b.param_names, b.parameters()))
+            out["param"] = {n: p.detach().cpu().clone() for n, p in params.items()}
             for k in self.spec.state_kinds:
-                out[k] = {f"{b.name}.{n}": (self._opt.state[p][k].detach().cpu().clone() if p in self._opt.state
-                                            else torch.zeros_like(p, device="cpu")) for n, p in params.items()}
-            out["steps"] = {f"{b.name}.{n}": torch.tensor(int(self._opt.state[p]["step"]) if p in self._opt.state
-                                                          and "step" in self._opt.state[p] else 0)
+                out[k] = {n: (self._opt.state[p][k].detach().cpu().clone() if p in self._opt.state
+                              else torch.zeros_like(p, device="cpu")) for n, p in params.items()}
+            out["steps"] = {n: torch.tensor(int(self._opt.state[p]["step"]) if p in self._opt.state
+                                            and "step" in self._opt.state[p] else 0)
                             for n, p in params.items()}
             return out
         slot = self.executor.slots[index]
         for k in ("param", *self.spec.state_kinds):
             flat = self.store.read(index, k).clone()
-            out[k] = {f"{b.name}.{n}": v.clone() for n, v in zip(slot.local_names, slot.views(flat))}
-        out["steps"] = {f"{b.name}.{n}": torch.tensor(s) for n, s in zip(slot.local_names, slot.steps)}
+            out[k] = {n: v.clone() for n, v in zip(b.param_names, slot.views(flat))}
+        out["steps"] = {n: torch.tensor(s) for n, s in zip(b.param_names, slot.steps)}
         return out
 
     def set_block_state(self, index: int, state: dict[str, dict[str, torch.Tensor]]) -> None:
         """Inverse of :meth:`block_state`."""
         b = self.blocks[index]
         if self.executor is None:
-            params = dict(b.module.named_parameters())
+            params = dict(zip(b.param_names, b.parameters()))
             with torch.no_grad():
                 for n, p in params.items():
-                    p.copy_(state["param"][f"{b.name}.{n}"])
-                    steps = int(state["steps"][f"{b.name}.{n}"])
+                    p.copy_(state["param"][n])
+                    steps = int(state["steps"][n])
                     if self.spec.name == "adamw" and steps > 0:
                         self._opt.state[p] = {"step": torch.tensor(float(steps)),
-                                              **{k: state[k][f"{b.name}.{n}"].to(p.device).clone()
-                                                 for k in self.spec.state_kinds}}
+                                              **{k: state[k][n].to(p.device).clone() for k in self.spec.state_kinds}}
                     else:
                         self._opt.state.pop(p, None)
             return
         slot = self.executor.slots[index]
         for k in ("param", *self.spec.state_kinds):
             flat = torch.empty(slot.numel, dtype=torch.float32)
-            for n, v in zip(slot.local_names, slot.views(flat)):
-                v.copy_(state[k][f"{b.name}.{n}"])
+            for n, v in zip(b.param_names, slot.views(flat)):
+                v.copy_(state[k][n])
             self.store.write(index, k, flat)
-        slot.steps = [int(state["steps"][f"{b.name}.{n}"]) for n in slot.local_names]
+        slot.steps = [int(state["steps"][n]) for n in b.param_names]
 
     def buffers(self) -> dict[str, torch.Tensor]:
         return {n: b.detach().cpu().clone() for n, b in self._model.named_buffers()}
@@ -420,9 +424,11 @@ class Trainer:
         if self.executor is None:
             return copy.deepcopy(self._model).cpu()
         m = copy.deepcopy(self._model)
+        if self.executor.root_hook_id is not None:
+            m._forward_pre_hooks.pop(self.executor.root_hook_id, None)
         for b in self.blocks:
-            mod = m.get_submodule(b.name)
-            mod.__dict__.pop("forward", None)
+            if not b.resident:
+                m.get_submodule(b.name).__dict__.pop("forward", None)
         for i, b in enumerate(self.blocks):
             st = self.block_state(i)["param"]
             for full, t in st.items():

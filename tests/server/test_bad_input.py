@@ -107,14 +107,14 @@ def test_cuda_without_cuda_raises_the_runners_error(monkeypatch):
 
 
 def test_models_the_streamer_cannot_cut_are_refused_with_the_fix():
-    class RootParam(nn.Module):
+    class RootTied(nn.Module):  # a root parameter that is also a block's weight
         def __init__(self):
             super().__init__()
-            self.scale = nn.Parameter(torch.ones(3))
             self.fc = nn.Linear(3, 3)
+            self.w = self.fc.weight
 
-    with pytest.raises(BlockError, match="root module"):
-        Trainer(RootParam(), offload="host", device="cpu")
+    with pytest.raises(BlockError, match="tied"):
+        Trainer(RootTied(), offload="host", device="cpu")
 
     class Tied(nn.Module):
         def __init__(self):
