@@ -186,9 +186,8 @@ def _trainer_step(model: nn.Module, *, lr: float, weight_decay: float, device: t
     """``step(x, y) -> loss`` of an in-memory :class:`~edgeadapt.server.Trainer` on ``model``.
 
     The trainer trains the model's own parameters in place. A model whose parameters the
-    trainer cannot assign to blocks (a parameter directly on the root module, such as
-    ``TinyTransformer1d.pos_embed``) trains with ``torch.optim.AdamW`` directly, with the same
-    arithmetic (foreach AdamW) and a logged note.
+    trainer cannot assign to blocks (one tensor under two names: tied weights) trains with
+    ``torch.optim.AdamW`` directly, with the same arithmetic (foreach AdamW) and a logged note.
     """
     from ..server import BlockError, Trainer
     from ..server.trace import find_blocks
