@@ -219,7 +219,9 @@ def _worker_step(spec: dict) -> dict:
     gc.collect()
     imported = _status_bytes()
     step = _runner_step_fn(spec) if spec["engine"] == "runner" else _torch_step_fn(spec)
-    gc.collect()
+    from edgeadapt.memory import trim_heap
+
+    trim_heap()  # the measuring protocol (docs/design.md, "Measuring"): freed heap back before the baseline
 
     clear_refs_ok = _reset_peak()
     base = _status_bytes()

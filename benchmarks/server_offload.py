@@ -64,7 +64,7 @@ def _gpt_kwargs(args: argparse.Namespace) -> dict:
 def worker(args: argparse.Namespace) -> dict:
     import torch
 
-    from edgeadapt.memory import AnonPeakSampler, peak_rss_bytes, reset_peak_rss, status_fields
+    from edgeadapt.memory import AnonPeakSampler, peak_rss_bytes, reset_peak_rss, status_fields, trim_heap
     from edgeadapt.models import build_gpt, token_cross_entropy
     from edgeadapt.server.data import TokenStream
 
@@ -99,6 +99,7 @@ def worker(args: argparse.Namespace) -> dict:
 
             def step(x, y):
                 return float(trainer.step(x, y))
+        trim_heap()  # the measuring protocol (docs/design.md, "Measuring")
         base = status_fields("VmRSS", "RssAnon")
         reset_peak_rss()
         with AnonPeakSampler(interval_s=0.002) as anon:

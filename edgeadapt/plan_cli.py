@@ -221,13 +221,16 @@ def _synthetic_data(manifest, n: int, seed: int):
 
 def _measure_job(spec: dict[str, Any]) -> dict[str, Any]:
     """In the fresh process: load, warm up, then one measured adapt call of the planned size."""
-    from .memory import peak_rss_bytes, reset_peak_rss
+    from .memory import peak_rss_bytes, reset_peak_rss, trim_heap
     from .runtime import Runner
 
     runner = Runner.load(spec["bundle"], device=spec["device"], threads=spec["threads"])
     X, y = _synthetic_data(runner.manifest, spec["n_windows"], spec["seed"])
     # Warm-up: page in the inference kernels (prefix and eval graph) so the baseline holds them.
     runner.predict(X[:2])
+    # The measuring protocol (docs/design.md, "Measuring"): freed heap back to the OS before the
+    # baseline, so the call's allocations show in full whatever loading and warm-up left behind.
+    heap_trimmed = trim_heap()
     reset_ok = reset_peak_rss()
     with _Timeline(spec["interval_s"]) as timeline:
         base_total, base_anon = timeline.series[0][1], timeline.series[0][2]
@@ -237,6 +240,7 @@ def _measure_job(spec: dict[str, Any]) -> dict[str, Any]:
         "device": runner.device, "torch_imported": "torch" in sys.modules,
         "n_windows": spec["n_windows"], "batch_windows": spec["batch_windows"], "steps": result.steps,
         "baseline_rss_bytes": base_total, "baseline_anon_bytes": base_anon, "peak_reset_ok": reset_ok,
+        "heap_trimmed": heap_trimmed,
         "call_peak_bytes": max(0, peak_rss_bytes() - base_total),
         "call_peak_anon_bytes": max(0, max(s[2] for s in timeline.series) - base_anon),
         "samples": len(timeline.series),
@@ -251,8 +255,9 @@ def measure_adapt(bundle_dir: str | os.PathLike, *, n_windows: int | None = None
                   timeout_s: float = 600) -> dict[str, Any]:
     """Run one adapt call of the planned size in a fresh process where torch cannot be imported.
 
-    The baseline is that process with the runner loaded and one 2-window prediction run (the
-    inference kernels paged in); the figures are the peak of the whole ``adapt`` call above it:
+    The baseline is that process with the runner loaded, one 2-window prediction run (the
+    inference kernels paged in) and freed heap returned to the OS (``edgeadapt.memory.trim_heap``,
+    the measuring protocol; ``heap_trimmed`` says whether it could); the figures are the peak of the whole ``adapt`` call above it:
     ``call_peak_bytes`` (VmHWM) and ``call_peak_anon_bytes`` (sampled RssAnon, a lower bound),
     plus ``timeline`` rows ``[seconds, VmRSS - baseline, RssAnon - baseline]``.
 

@@ -56,7 +56,8 @@ def run_job(spec: AdaptJobSpec) -> dict[str, Any]:
 
     Memory figures (bytes; see docs/design.md, "Measuring") are the runner's own
     (:class:`~edgeadapt.runtime.AdaptResult`): the baseline is this process with the runner
-    loaded and evaluated once, just before ``adapt``; ``step_peak_bytes`` is the largest
+    loaded and evaluated once and freed heap returned to the OS (``edgeadapt.memory.trim_heap``,
+    the measuring protocol; ``heap_trimmed``), just before ``adapt``; ``step_peak_bytes`` is the largest
     resident high-water mark (VmHWM) of any single optimizer step over it, ``call_peak_bytes``
     that of the whole ``adapt`` call (training session, rollback copies included);
     ``*_anon_bytes`` the same for anonymous memory only (sampled RssAnon, no file pages).
@@ -64,7 +65,7 @@ def run_job(spec: AdaptJobSpec) -> dict[str, Any]:
     baseline (imports excluded).
     """
     from ..datasets import WindowDataset
-    from ..memory import status_fields
+    from ..memory import status_fields, trim_heap
     from ..runtime import Runner
     from ..versions import host_info
 
@@ -76,6 +77,7 @@ def run_job(spec: AdaptJobSpec) -> dict[str, Any]:
     loaded = status_fields("VmRSS", "RssAnon")
     labeled = runner.manifest.label is not None
     before = runner.evaluate(held_out.X, held_out.y) if labeled else None
+    heap_trimmed = trim_heap()  # the measuring protocol: freed heap back to the OS before the baseline
     base = status_fields("VmRSS", "RssAnon")
     result = runner.adapt(adapt.X, adapt.y if labeled else None, epochs=spec.epochs,
                           batch_size=spec.batch_size, lr=spec.lr, schedule=spec.schedule,
@@ -96,6 +98,7 @@ def run_job(spec: AdaptJobSpec) -> dict[str, Any]:
         "steps": result.steps,
         "adapt_time_s": result.time_s,
         "job_time_s": time.perf_counter() - start,
+        "heap_trimmed": heap_trimmed,
         "loaded_rss_bytes": base["VmRSS"],
         "loaded_anon_bytes": base["RssAnon"],
         "load_rss_bytes": loaded["VmRSS"] - imported["VmRSS"],

@@ -61,3 +61,47 @@ def test_host_facts_name_versions_cpu_and_kernel_flags():
     assert info["versions"] == versions and info["cpu"] == cpu
     if "torch" in sys.modules:
         assert info["torch_cpu_capability"]
+
+
+def test_trim_heap_returns_freed_heap_to_the_os():
+    """Small blocks freed below a live one stay resident until trimmed; trim_heap returns them."""
+    import ctypes
+    import sys
+
+    from edgeadapt.memory import trim_heap
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("RssAnon and malloc_trim are Linux/glibc facts")
+    try:
+        libc = ctypes.CDLL(None)
+        malloc, free, memset = libc.malloc, libc.free, libc.memset
+    except (OSError, AttributeError):
+        pytest.skip("no libc malloc to allocate with")
+    malloc.restype, malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    free.argtypes = [ctypes.c_void_p]
+    memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    block, count = 4096, 4096  # 16 MiB of small blocks, each below the mmap threshold: heap
+    trim_heap()
+    blocks = []
+    for _ in range(count):
+        p = malloc(block)
+        memset(p, 1, block)  # touched: resident
+        blocks.append(p)
+    pin = malloc(block)  # a live block above them keeps free() from shrinking the heap by itself
+    memset(pin, 1, block)
+    for p in blocks:
+        free(p)
+    freed = anon_rss_bytes()
+    if not trim_heap():
+        free(pin)
+        pytest.skip("malloc_trim unavailable (not glibc)")
+    trimmed = anon_rss_bytes()
+    free(pin)
+    assert freed - trimmed > 8 * 2**20, (freed, trimmed)
+
+
+def test_trim_heap_is_a_no_op_without_malloc_trim(monkeypatch):
+    from edgeadapt import memory
+
+    monkeypatch.setattr(memory, "_MALLOC_TRIM", False)
+    assert memory.trim_heap() is False
