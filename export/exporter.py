@@ -22,7 +22,7 @@ from ..atomic import staged_directory
 from ..bundle import Manifest, TensorSpec, sha256_file, write_manifest
 from ..onnx_guard import stamp_contract
 from ..versions import package_versions
-from .graph import MAX_IR_VERSION, UnsupportedOpError, module_of_node, to_onnx
+from .graph import MAX_IR_VERSION, UnsupportedOpError, module_of_node, to_onnx, unsupported_from_ort_error
 from .objectives import LOSSES, OptimizerConfig, loss_block, optimizer_block, use_torch_adamw
 from ..sched.policy import UpdatePolicy
 from ..sched.plan import parse_bytes
@@ -89,11 +89,15 @@ def _generate(model_proto: onnx.ModelProto, entries, loss: str, opt: OptimizerCo
             )
     except RuntimeError as e:
         m = re.search(r"has not been registered: (\w+) for node (\S+)", str(e))
-        if not m:
+        if m:  # every module using the op, not only the first ONNX Runtime met
+            op = m.group(1)
+            modules = sorted({module_of_node(n.name) for n in model_proto.graph.node if n.op_type == op})
+            raise UnsupportedOpError(op, modules, "ONNX Runtime has no gradient for it") from None
+        # e.g. a gradient builder that emits an invalid node for this op
+        unsupported = unsupported_from_ort_error(e, model_proto, "ONNX Runtime cannot build its gradient")
+        if unsupported is None:
             raise
-        op = m.group(1)
-        modules = sorted({module_of_node(n.name) for n in model_proto.graph.node if n.op_type == op})
-        raise UnsupportedOpError(op, modules, "ONNX Runtime has no gradient for it") from None
+        raise unsupported from None
 
 
 def _bake_recompute(training_path: Path, node_names: list[str]) -> list[str]:

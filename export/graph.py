@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import re
 import warnings
 
@@ -27,7 +28,8 @@ from torch import nn
 
 from ..bundle import ParameterEntry
 
-__all__ = ["UnsupportedOpError", "OPSET", "MAX_IR_VERSION", "to_onnx", "module_of_node", "split_names"]
+__all__ = ["UnsupportedOpError", "OPSET", "MAX_IR_VERSION", "to_onnx", "module_of_node", "split_names",
+           "unsupported_from_ort_error"]
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +50,42 @@ class UnsupportedOpError(ValueError):
         where = ", ".join(modules) if modules else "an unknown module"
         super().__init__(
             f"unsupported op {op!r} in module {where}: {stage}. Rewrite that module with supported "
-            "ops (Conv, Linear, norms, ReLU/ReLU6/GELU, pooling, add, softmax, matmul) or freeze "
-            "everything before it so no gradient has to flow through it"
+            "ops (Conv, Linear, norms, ReLU/ReLU6/GELU/ELU/Hardswish, pooling, add, softmax, matmul) or "
+            "freeze everything before it so no gradient has to flow through it"
         )
+
+
+# How ONNX Runtime names the node it failed on: the gradient builder ("for node X", "Error Node (X)"),
+# session creation ("node with name 'X'") and the executor ("Name:'X'").
+_ORT_NODE_NAME = re.compile(r"for node (\S+)|node with name '([^']+)'|Name:'([^']+)'|Error Node \(([^)]+)\)")
+
+
+def unsupported_from_ort_error(error: BaseException, model: onnx.ModelProto, stage: str) -> UnsupportedOpError | None:
+    """The :class:`UnsupportedOpError` for an ONNX Runtime failure on a node of ``model``.
+
+    ONNX Runtime names the node it failed on; a gradient node is named after its forward node
+    (``/act/Slice_Grad/SliceGrad_1`` belongs to ``/act/Slice``). When that forward node is in
+    ``model``, the error names its op type and module (:func:`module_of_node`); ``stage`` says what
+    failed, and ONNX Runtime's own reason is appended. ``None`` when no node of ``model`` is named
+    (the failure is not caused by one op of the user's model).
+    """
+    text = str(error)
+    if re.search(r"allocat|out of memory|bad_alloc", text, re.IGNORECASE):  # memory, not the op
+        return None
+    nodes = {n.name: n for n in model.graph.node if n.name}
+    for m in _ORT_NODE_NAME.finditer(text):
+        named = next(g for g in m.groups() if g)
+        node = nodes.get(named.split("_Grad/")[0]) or nodes.get(named)  # the forward node, if one
+        if node is None:
+            continue
+        # ONNX Runtime's reason: what follows its error-code prefix, from the node name on if long
+        start = max((p.end() for p in re.finditer(r"\[ONNXRuntimeError\] : \d+ : ", text)), default=0)
+        reason = text[start:].strip()
+        if len(reason) > 200:
+            reason = text[m.start():].strip()
+        reason = " ".join(reason.split())[:300]
+        return UnsupportedOpError(node.op_type, [module_of_node(node.name)], f"{stage} (ONNX Runtime 1.19.2: {reason})")
+    return None
 
 
 def _module_from_scope(scope: str) -> str:
@@ -203,6 +238,338 @@ def _instance_norms_decomposed(model: onnx.ModelProto) -> int:
     return len(norms)
 
 
+class _Rewriter:
+    """Helpers for replacing nodes of one op type: static shapes, constant inputs, new initializers.
+
+    Replacement nodes are named ``<original name>_<step>`` so that :func:`module_of_node` (and the
+    memory planner) attribute them to the original node's module.
+    """
+
+    def __init__(self, model: onnx.ModelProto):
+        self.model = model
+        self._shapes: dict[str, list[int | None]] | None = None
+        self._producers = {o: n for n in model.graph.node for o in n.output}
+        self._inits = {i.name: i for i in model.graph.initializer}
+
+    def shape(self, name: str) -> list[int | None] | None:
+        """Dimensions of a tensor after ONNX shape inference (``None`` for an unknown one)."""
+        if self._shapes is None:
+            inferred = onnx.shape_inference.infer_shapes(self.model).graph
+            self._shapes = {
+                v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
+                for v in (*inferred.value_info, *inferred.input, *inferred.output)
+                if v.type.tensor_type.HasField("shape")
+            }
+        return self._shapes.get(name)
+
+    def static_shape(self, name: str) -> list[int] | None:
+        """Dimensions after the batch axis when all are known: ``[None, d1, d2, ...]``, else ``None``."""
+        shape = self.shape(name)
+        if not shape or any(d is None for d in shape[1:]):
+            return None
+        return [None, *shape[1:]]
+
+    def const(self, name: str) -> np.ndarray | None:
+        """The value of a constant tensor (initializer, Constant node, Concat of constants)."""
+        if not name:
+            return None
+        if name in self._inits:
+            return numpy_helper.to_array(self._inits[name])
+        node = self._producers.get(name)
+        if node is None:
+            return None
+        if node.op_type == "Constant":
+            for a in node.attribute:
+                if a.name == "value":
+                    return numpy_helper.to_array(a.t)
+                if a.name in ("value_float", "value_int", "value_floats", "value_ints"):
+                    return np.array(onnx.helper.get_attribute_value(a))
+            return None
+        if node.op_type == "Concat":
+            parts = [self.const(i) for i in node.input]
+            if any(p is None for p in parts):
+                return None
+            return np.concatenate(parts, axis=_attr(node, "axis", 0))
+        return None
+
+    def init(self, node: onnx.NodeProto, tag: str, value) -> str:
+        """Add an initializer named after ``node``'s output; returns its name."""
+        name = f"{node.output[0]}__{tag}"
+        self.model.graph.initializer.append(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    @staticmethod
+    def chain(node: onnx.NodeProto, steps: list[tuple]) -> list[onnx.NodeProto]:
+        """Nodes for ``steps`` of ``(op_type, inputs, tag, attributes)``; ``"@k"`` in inputs names the
+        output of step ``k``; the last step writes ``node``'s output."""
+        out = node.output[0]
+        names = [out if k == len(steps) - 1 else f"{out}__{tag}" for k, (_, _, tag, _) in enumerate(steps)]
+        nodes = []
+        for (op, inputs, tag, attrs), result in zip(steps, names):
+            ins = [names[int(i[1:])] if isinstance(i, str) and i.startswith("@") else i for i in inputs]
+            nodes.append(onnx.helper.make_node(op, ins, [result], name=f"{node.name}_{tag}", **attrs))
+        return nodes
+
+
+def _replace(model: onnx.ModelProto, op_type: str, rewrite) -> int:
+    """Replace each ``op_type`` node by ``rewrite(rewriter, node)`` (a node list; ``None`` keeps it)."""
+    if not any(n.op_type == op_type for n in model.graph.node):
+        return 0
+    rw = _Rewriter(model)
+    nodes: list[onnx.NodeProto] = []
+    count = 0
+    for node in model.graph.node:
+        new = rewrite(rw, node) if node.op_type == op_type else None
+        if new is None:
+            nodes.append(node)
+        else:
+            nodes.extend(new)
+            count += 1
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return count
+
+
+def _f32(value: float) -> np.ndarray:
+    return np.array(value, dtype=np.float32)
+
+
+def _elu(rw: _Rewriter, node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """Elu (no gradient in ONNX Runtime 1.19.2) as ``Relu(x) + alpha * (Exp(-Relu(-x)) - 1)``.
+
+    Each branch only sees its own half of the axis (``Exp`` of a non-positive number), so neither
+    the values nor the gradients overflow; the gradient is 1 for ``x > 0`` and
+    ``alpha * exp(x)`` for ``x < 0``, torch's (at exactly 0 it is 0 here, ``alpha`` in torch).
+    """
+    x = node.input[0]
+    alpha = rw.init(node, "alpha", _f32(_attr(node, "alpha", 1.0)))
+    one = rw.init(node, "one", _f32(1.0))
+    return rw.chain(node, [
+        ("Relu", [x], "pos", {}),
+        ("Neg", [x], "negx", {}),
+        ("Relu", ["@1"], "neg_relu", {}),
+        ("Neg", ["@2"], "neg", {}),
+        ("Exp", ["@3"], "exp", {}),
+        ("Sub", ["@4", one], "expm1", {}),
+        ("Mul", ["@5", alpha], "scaled", {}),
+        ("Add", ["@0", "@6"], "elu", {}),
+    ])
+
+
+def _softplus(rw: _Rewriter, node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """Softplus (no gradient) as the overflow-free ``Relu(x) + Log(1 + Exp(-Abs(x)))``.
+
+    torch exports ``softplus(x, beta)`` as ``Softplus(beta * x) / beta``, so ``beta`` is kept; its
+    ``threshold`` (linear above ``beta * x > threshold``) is not exported by torch at all: the
+    difference is below ``exp(-threshold) / beta`` (2e-9 at the default 20).
+    """
+    x = node.input[0]
+    one = rw.init(node, "one", _f32(1.0))
+    return rw.chain(node, [
+        ("Relu", [x], "pos", {}),
+        ("Abs", [x], "abs", {}),
+        ("Neg", ["@1"], "neg_abs", {}),
+        ("Exp", ["@2"], "exp", {}),
+        ("Add", ["@3", one], "one_plus", {}),
+        ("Log", ["@4"], "log", {}),
+        ("Add", ["@0", "@5"], "softplus", {}),
+    ])
+
+
+def _hard_sigmoid_steps(rw: _Rewriter, node: onnx.NodeProto, x: str, tag: str) -> list[tuple]:
+    alpha, beta = float(_attr(node, "alpha", 0.2)), float(_attr(node, "beta", 0.5))
+    if node.op_type == "HardSwish" or (np.float32(alpha) == np.float32(1 / 6) and beta == 0.5):
+        # torch's own arithmetic: relu6(x + 3) / 6
+        three, zero, six = (rw.init(node, f"{tag}_{k}", _f32(v)) for k, v in (("three", 3), ("zero", 0), ("six", 6)))
+        return [("Add", [x, three], f"{tag}_shift", {}), ("Clip", ["@0", zero, six], f"{tag}_clip", {}),
+                ("Div", ["@1", six], f"{tag}_div", {})]
+    a, b, zero, one = (rw.init(node, f"{tag}_{k}", _f32(v)) for k, v in
+                       (("alpha", alpha), ("beta", beta), ("zero", 0), ("one", 1)))
+    return [("Mul", [x, a], f"{tag}_scale", {}), ("Add", ["@0", b], f"{tag}_shift", {}),
+            ("Clip", ["@1", zero, one], f"{tag}_clip", {})]
+
+
+def _hard_sigmoid(rw: _Rewriter, node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """HardSigmoid (no gradient) as ``Clip(alpha * x + beta, 0, 1)``; torch's
+    ``hardsigmoid`` (alpha 1/6, beta 1/2) as its own ``Clip(x + 3, 0, 6) / 6``."""
+    return rw.chain(node, _hard_sigmoid_steps(rw, node, node.input[0], "hsig"))
+
+
+def _hard_swish(rw: _Rewriter, node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """HardSwish (no gradient) as torch computes it: ``x * Clip(x + 3, 0, 6) / 6``."""
+    x = node.input[0]
+    six = rw.init(node, "hswish_six", _f32(6.0))
+    return rw.chain(node, [
+        *_hard_sigmoid_steps(rw, node, x, "hsig")[:2],
+        ("Mul", [x, "@1"], "hswish_mul", {}),
+        ("Div", ["@2", six], "hswish_div", {}),
+    ])
+
+
+def _reduce_max(rw: _Rewriter, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+    """ReduceMax / ReduceMin (no gradient) over non-batch axes of static size as a MaxPool.
+
+    The reduced axes are moved last (``Transpose``, when they are not already), flattened into one
+    (``Reshape`` to ``(batch, kept, reduced)``), pooled with the whole reduced extent as the
+    kernel, and reshaped to the output (``keepdims`` respected). ReduceMin is ``-max(-x)``.
+    Values are exact. Ties: MaxPool's gradient goes entirely to the first maximum (in the
+    flattened order), torch's ``amax``/``amin`` splits it evenly between tied maxima, and
+    ``max(dim)`` gives it to the index it returns; tied maxima of a float input are rare (a row
+    of zeros after ReLU, whose gradient is zero either way).
+    """
+    x = node.input[0]
+    shape = rw.static_shape(x)
+    axes = _attr(node, "axes", None)
+    if shape is None or axes is None or len(shape) < 2:
+        return None
+    rank = len(shape)
+    axes = sorted({a % rank for a in axes})
+    if 0 in axes:
+        return None
+    kept = [a for a in range(1, rank) if a not in axes]
+    perm = [0, *kept, *axes]
+    n_kept, n_red = int(np.prod([shape[a] for a in kept])), int(np.prod([shape[a] for a in axes]))
+    keepdims = _attr(node, "keepdims", 1)
+    out_shape = [-1, *(1 if a in axes else shape[a] for a in range(1, rank) if keepdims or a not in axes)]
+    flat = rw.init(node, "flat_shape", np.array([-1, n_kept, n_red], dtype=np.int64))
+    final = rw.init(node, "out_shape", np.array(out_shape, dtype=np.int64))
+    steps: list[tuple] = []
+    src = x
+    if node.op_type == "ReduceMin":
+        steps.append(("Neg", [x], "negate", {}))
+        src = "@0"
+    if perm != list(range(rank)):
+        steps.append(("Transpose", [src], "reduced_last", {"perm": perm}))
+        src = f"@{len(steps) - 1}"
+    steps += [("Reshape", [src, flat], "flatten", {}),
+              ("MaxPool", [f"@{len(steps)}"], "maxpool", {"kernel_shape": [n_red]}),
+              ("Reshape", [f"@{len(steps) + 1}", final], "reshape", {})]
+    if node.op_type == "ReduceMin":
+        steps.append(("Neg", [f"@{len(steps) - 1}"], "min", {}))
+    return rw.chain(node, steps)
+
+
+def _reduce_keepdims(rw: _Rewriter, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+    """ReduceLogSumExp / ReduceL2 with ``keepdims=0`` as the same reduction with ``keepdims=1`` and
+    a ``Squeeze`` of the reduced axes.
+
+    ONNX Runtime 1.19.2's gradient builder emits an opset-11 ``Unsqueeze`` (axes as an attribute)
+    for the ``keepdims=0`` case, which the opset-13+ graph rejects; with ``keepdims=1`` its
+    gradients (``dy * exp(x - y)``, ``dy * x / y`` masked where ``y == 0``) are right and its
+    kernels are the stable ones (the log-sum-exp subtracts the maximum). Same values, same gradient.
+    """
+    if _attr(node, "keepdims", 1):
+        return None
+    axes = _attr(node, "axes", None)
+    x = node.input[0]
+    if axes is None:  # every axis reduced: the result is a scalar
+        shape = rw.shape(x)
+        if shape is None:
+            return None
+        axes = list(range(len(shape)))
+    squeeze = rw.init(node, "squeeze_axes", np.array(list(axes), dtype=np.int64))
+    attrs = {"axes": list(axes), "keepdims": 1}
+    return rw.chain(node, [(node.op_type, [x], "keepdims", attrs), ("Squeeze", ["@0", squeeze], "squeeze", {})])
+
+
+def _gathers(rw: _Rewriter, node: onnx.NodeProto, x: str, per_axis: list[tuple[int, list[int]]]) -> list[onnx.NodeProto]:
+    steps, src = [], x
+    for k, (axis, index) in enumerate(per_axis):
+        idx = rw.init(node, f"index_{axis}", np.array(index, dtype=np.int64))
+        steps.append(("Gather", [src, idx], f"gather_{axis}", {"axis": axis}))
+        src = f"@{k}"
+    return rw.chain(node, steps)
+
+
+def _reversed_slice(rw: _Rewriter, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+    """Slice with a negative step (torch's ``flip``) as a Gather of the selected indices per axis.
+
+    ONNX Runtime 1.19.2's SliceGrad fails at the train step (``narrowing_error``) on negative
+    steps; GatherGrad scatters the gradient back to the same elements.
+    """
+    x, *rest = node.input
+    values = [rw.const(i) if i else None for i in rest] + [None] * (4 - len(rest))
+    starts, ends, axes, steps = values
+    if starts is None or ends is None or (steps is None or not (steps < 0).any()):
+        return None
+    shape = rw.static_shape(x)
+    if shape is None:
+        return None
+    rank = len(shape)
+    axes = list(range(len(starts))) if axes is None else [int(a) % rank for a in axes]
+    if 0 in axes:
+        return None
+    per_axis = [(a, list(range(*slice(int(s), int(e), int(st)).indices(shape[a]))))
+                for a, s, e, st in zip(axes, starts, ends, steps)]
+    return _gathers(rw, node, x, per_axis)
+
+
+def _nearest_source_index(i: int, n_in: int, n_out: int, scale: float, transform: str, rounding: str) -> int:
+    """ONNX Resize (nearest): the input index output index ``i`` reads."""
+    if transform == "asymmetric":
+        c = i / scale
+    elif transform == "tf_half_pixel_for_nn":
+        c = (i + 0.5) / scale
+    elif transform == "pytorch_half_pixel":
+        c = (i + 0.5) / scale - 0.5 if n_out > 1 else 0.0
+    else:  # half_pixel
+        c = (i + 0.5) / scale - 0.5
+    if rounding == "floor":
+        k = math.floor(c)
+    elif rounding == "ceil":
+        k = math.ceil(c)
+    elif rounding == "round_prefer_ceil":
+        k = math.floor(c + 0.5)
+    else:  # round_prefer_floor
+        k = math.ceil(c - 0.5)
+    return min(max(k, 0), n_in - 1)
+
+
+def _nearest_resize(rw: _Rewriter, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+    """Nearest-neighbour Resize by integer factors (``F.interpolate(x, scale_factor=k)`` or a
+    ``size`` that is a multiple of the input's) as a Gather of the source indices per resized axis.
+
+    ONNX Runtime 1.19.2 has no CPU kernel for ResizeGrad. With integer factors every source index
+    is an exact rational, so the index map is the one ONNX Runtime's and torch's kernels compute;
+    GatherGrad sums the gradient of the copies. Other modes or factors are left as they are.
+    """
+    if _attr(node, "mode", b"nearest") not in (b"nearest", "nearest"):
+        return None
+    transform = _attr(node, "coordinate_transformation_mode", b"half_pixel")
+    rounding = _attr(node, "nearest_mode", b"round_prefer_floor")
+    transform = transform.decode() if isinstance(transform, bytes) else transform
+    rounding = rounding.decode() if isinstance(rounding, bytes) else rounding
+    if transform not in ("asymmetric", "half_pixel", "pytorch_half_pixel", "tf_half_pixel_for_nn"):
+        return None
+    x = node.input[0]
+    shape = rw.static_shape(x)
+    scales = rw.const(node.input[2]) if len(node.input) > 2 else None
+    sizes = rw.const(node.input[3]) if len(node.input) > 3 else None
+    if shape is None or (scales is None or scales.size == 0) == (sizes is None or sizes.size == 0):
+        return None
+    if scales is None or scales.size == 0:
+        if any(int(s) % n for s, n in zip(sizes[1:], shape[1:])):
+            return None
+        scales = np.array([1.0] + [int(s) // n for s, n in zip(sizes[1:], shape[1:])])
+    if len(scales) != len(shape) or scales[0] != 1 or any(s < 1 or s != round(s) for s in scales):
+        return None
+    per_axis = [(a, [_nearest_source_index(i, shape[a], shape[a] * int(s), float(s), transform, rounding)
+                     for i in range(shape[a] * int(s))])
+                for a, s in enumerate(scales) if a > 0 and s != 1]
+    if not per_axis:
+        return None
+    return _gathers(rw, node, x, per_axis)
+
+
+#: (op type, rewrite) applied in this order by :func:`_fit_for_ort_gradients`.
+_OP_REWRITES = (
+    ("Elu", _elu), ("Softplus", _softplus), ("HardSigmoid", _hard_sigmoid), ("HardSwish", _hard_swish),
+    ("ReduceMax", _reduce_max), ("ReduceMin", _reduce_max),
+    ("ReduceLogSumExp", _reduce_keepdims), ("ReduceL2", _reduce_keepdims),
+    ("Slice", _reversed_slice), ("Resize", _nearest_resize),
+)
+
+
 def _fit_for_ort_gradients(model: onnx.ModelProto) -> None:
     """Rewrite patterns whose gradients ONNX Runtime 1.19.2 gets wrong or cannot build.
 
@@ -215,9 +582,26 @@ def _fit_for_ort_gradients(model: onnx.ModelProto) -> None:
       conv gives the ConvGrad a private gradient buffer; forward values are unchanged.
     * LayerNormalization exported with only ``Y``: the gradient builder needs the optional
       ``Mean`` and ``InvStdDev`` outputs, so they are declared.
+    * Elu, Softplus, HardSigmoid, HardSwish (no gradient): the same arithmetic in differentiable
+      ops, see :func:`_elu`, :func:`_softplus`, :func:`_hard_sigmoid`, :func:`_hard_swish`.
+    * ReduceMax / ReduceMin (no gradient; ``amax``, ``max(dim)``, global max pooling written as a
+      reduction): a MaxPool over the reduced axes, see :func:`_reduce_max`.
+    * ReduceLogSumExp / ReduceL2 with ``keepdims=0`` (``logsumexp``, ``norm``; the gradient
+      builder emits an invalid node): ``keepdims=1`` and a Squeeze, see :func:`_reduce_keepdims`.
+    * Slice with a negative step (``flip``; SliceGrad fails at the train step): a Gather of the
+      reversed indices, see :func:`_reversed_slice`.
+    * Resize, nearest, integer factors (``interpolate``; no ResizeGrad kernel): a Gather of the
+      source indices, see :func:`_nearest_resize`.
+
+    What stays unsupported (CumSum, linear Resize, ...) is reported by the artifact generation or
+    the export self-check as :class:`UnsupportedOpError` naming the op and module.
     """
     _average_pools_as_convs(model)
     _instance_norms_decomposed(model)
+    for op_type, rewrite in _OP_REWRITES:
+        n = _replace(model, op_type, rewrite)
+        if n:
+            log.debug("rewrote %d %s node(s) for ONNX Runtime's gradient builder", n, op_type)
     nodes = []
     for node in model.graph.node:
         nodes.append(node)

@@ -53,10 +53,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+import onnx
 import torch
 from torch import nn
 
-from ..bundle import Manifest, ParameterEntry
+from ..bundle import BundleError, Manifest, ParameterEntry
+from .graph import unsupported_from_ort_error
 from .objectives import torch_loss
 
 __all__ = [
@@ -339,6 +341,35 @@ def _check_once(stage: Path, manifest: Manifest, pairs: list[tuple[str, str]], x
     return checks
 
 
+def _checked_once(stage: Path, manifest: Manifest, pairs: list[tuple[str, str]], reference: tuple) -> list[Deviation]:
+    """:func:`_check_once`, with ONNX Runtime failing on one op of the model (no kernel for its
+    gradient when the session is built, a gradient kernel that fails at the train step) reported
+    as :class:`UnsupportedOpError` naming the op and module, not as a damaged bundle."""
+    try:
+        return _check_once(stage, manifest, pairs, *reference)
+    except (BundleError, RuntimeError, *_ort_errors()) as e:
+        training = onnx.load(stage / manifest.files["training_model"], load_external_data=False)
+        building = isinstance(e, BundleError)
+        stage_text = ("ONNX Runtime cannot build the training session for it" if building
+                      else "ONNX Runtime's training step fails on it")
+        # the session-build BundleError wraps ONNX Runtime's own error (raised "from None")
+        original = e.__context__ if building and e.__context__ is not None else e
+        unsupported = unsupported_from_ort_error(original, training, stage_text)
+        if unsupported is None:
+            raise
+        raise unsupported from None
+
+
+def _ort_errors() -> tuple[type[BaseException], ...]:
+    """The exception types ONNX Runtime's Python binding raises (``Fail``, ``RuntimeException``, ...)."""
+    try:
+        from onnxruntime.capi import onnxruntime_pybind11_state as state
+    except ImportError:
+        return ()
+    return tuple(t for t in vars(state).values()
+                 if isinstance(t, type) and issubclass(t, Exception) and t.__module__ == state.__name__)
+
+
 def choose_session(stage: Path, manifest: Manifest, module: nn.Module, torch_entries: tuple[ParameterEntry, ...],
                    example: np.ndarray) -> dict:
     """Return the ``session`` settings under which ORT matches torch on ``example``.
@@ -355,6 +386,8 @@ def choose_session(stage: Path, manifest: Manifest, module: nn.Module, torch_ent
 
     Raises:
         SelfCheckError: no setting reproduces torch; the message names every tensor that differs.
+        UnsupportedOpError: ONNX Runtime cannot build the training session or run the train step
+            because of one op of the model (names the op and its module).
     """
     pairs = []
     for graph_e, torch_e in zip(manifest.parameters, torch_entries):
@@ -369,7 +402,7 @@ def choose_session(stage: Path, manifest: Manifest, module: nn.Module, torch_ent
     for mem_pattern in (False, True):
         session = {**manifest.session, "enable_mem_pattern": mem_pattern}
         candidate = replace(manifest, session=session)
-        checks = [d for ref in references for d in _check_once(stage, candidate, pairs, *ref)]
+        checks = [d for ref in references for d in _checked_once(stage, candidate, pairs, ref)]
         failed = [d for d in checks if not d.passed]
         worst = max(checks, key=lambda d: d.ratio)
         if not failed:
