@@ -71,6 +71,14 @@ PLANS = (
     ("blocks.3.conv=channels:0.25,blocks.3.bn=full,head=full", 2, False),
     ("blocks.2.conv=channels:0.25,blocks.3.conv=channels:0.25,blocks.2.bn=full,blocks.3.bn=full,head=full", 16, False),
 )
+# Plans on a tiny model (``_tiny_model``: a pointwise Conv1d, ReLU, mean over time, the head),
+# whose training graphs have 1-4 ops: the fixed cost of opening a training session and of its
+# first step, which the CNN's plans alone cannot tell apart from the per-op costs (fitted since
+# 2026-12-03, with freed heap trimmed before the baseline). (policy, micro, cache, model)
+TINY_PLANS = (
+    ("last-layer", 30, True, "tiny"), ("last-layer", 4, True, "tiny"), ("last-layer", 30, False, "tiny"),
+    ("full", 30, False, "tiny"), ("full", 4, False, "tiny"),
+)
 # Checked (``--check``) in addition to PLANS, not fitted. The check of the fitted constants is
 # ``benchmarks/budget_sweep.py`` (the planner's own plans, other runs and settings).
 CHECK_PLANS: tuple = ()
@@ -80,6 +88,7 @@ import json, sys
 from edgeadapt.harness.isolation import forbid_torch
 forbid_torch()
 import numpy as np
+from edgeadapt.memory import trim_heap
 from edgeadapt.runtime import Runner
 bundle, batch, micro, n, threads, seed = sys.argv[1], *map(int, sys.argv[2:7])
 runner = Runner.load(bundle, device="cpu", threads=threads)
@@ -88,22 +97,43 @@ rng = np.random.default_rng(seed)
 X = rng.standard_normal((n, *spec[1:])).astype(np.float32)
 y = rng.integers(0, runner.manifest.label["n_classes"], n).astype(np.int64)
 # No warm-up call: ONNX Runtime's arenas would keep its memory and hide the call's own peak.
+# The measuring protocol: freed heap back to the OS just before the baseline (the call's start).
+trimmed = trim_heap()
 r = runner.adapt(X, y, epochs=1, batch_size=batch, micro_batch=micro, progress=False, shuffle=False)
 print(json.dumps({"call_peak_bytes": r.call_peak_bytes, "call_peak_anon_bytes": r.call_peak_anon_bytes,
-                  "step_peak_bytes": r.step_peak_bytes, "step_peak_anon_bytes": r.step_peak_anon_bytes}))
+                  "step_peak_bytes": r.step_peak_bytes, "step_peak_anon_bytes": r.step_peak_anon_bytes, "heap_trimmed": trimmed}))
 """
 
 
-def _export(args, policy: str, micro: int, cache: bool, directory: Path):
+def _tiny_model(channels: int, classes: int):
+    """Conv1d(channels, 8, 1) + ReLU + mean over time + Linear(8, classes) as ``head``: a model
+    whose training graphs are a few ops (1 with cached features and the head only)."""
+    from torch import nn
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv1d(channels, 8, 1)
+            self.head = nn.Linear(8, classes)
+
+        def forward(self, x):
+            return self.head(nn.functional.relu(self.conv(x)).mean(dim=-1))
+
+    return Tiny().eval()
+
+
+def _export(args, policy: str, micro: int, cache: bool, directory: Path, model_name: str | None = None):
     import torch
 
     from edgeadapt.export import UpdatePolicy, export_bundle
     from edgeadapt.models import build_model
 
     torch.manual_seed(args.seed)
-    model = build_model(args.model, args.channels, args.classes, args.time_steps)
+    model_name = model_name or args.model
+    model = (_tiny_model(args.channels, args.classes) if model_name == "tiny"
+             else build_model(model_name, args.channels, args.classes, args.time_steps))
     example = torch.randn(args.batch, args.channels, args.time_steps, generator=torch.Generator().manual_seed(1))
-    out = directory / f"{policy}-{micro}-{int(cache)}"
+    out = directory / f"{model_name}-{policy}-{micro}-{int(cache)}"
     manifest = export_bundle(model, example, out, policy=UpdatePolicy.parse(policy), n_windows=args.n_windows,
                              batch_windows=args.batch, cache_features=cache)
     return out, manifest
@@ -194,6 +224,8 @@ def main(argv=None) -> int:
     p.add_argument("--n-windows", type=int, default=30)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-tiny", dest="tiny", action="store_false",
+                   help="fit on --model's plans only (default: also the tiny model's TINY_PLANS)")
     p.add_argument("--repeats", type=int, default=1, help="fresh processes per plan (median)")
     p.add_argument("--fit", choices=("anon", "total"), default="anon")
     p.add_argument("--check", action="store_true",
@@ -218,19 +250,21 @@ def main(argv=None) -> int:
         rows = [{**r, "graph": Graph.from_dict(r["graph"]), "plan": Plan.from_dict(r["plan"])}
                 for r in json.loads(args.refit.read_text())]
     with tempfile.TemporaryDirectory(prefix="edgeadapt-calibrate-") as tmp:
-        for policy, micro, cache in () if args.refit else PLANS + (CHECK_PLANS if args.check else ()):
+        todo = [(*plan, args.model) for plan in PLANS + (CHECK_PLANS if args.check else ())]
+        todo += list(TINY_PLANS) if args.tiny else []
+        for policy, micro, cache, model_name in () if args.refit else todo:
             micro = min(micro, args.batch)
-            bundle, manifest = _export(args, policy, micro, cache, Path(tmp))
+            bundle, manifest = _export(args, policy, micro, cache, Path(tmp), model_name)
             graph = Graph.from_dict(manifest.graph)
             plan_dict = {k: v for k, v in manifest.plan.items() if k != "predicted_peak_bytes"}
             plan = Plan.from_dict({**plan_dict, "micro_batch_windows": micro, "predicted": None})
             runs = [_measure(bundle, args, micro) for _ in range(args.repeats)]
             total = int(np.median([r["call_peak_bytes"] for r in runs]))
             anon = int(np.median([r["call_peak_anon_bytes"] for r in runs]))
-            rows.append({"policy": policy, "micro_batch_windows": micro, "cache_features": plan.cache_features,
+            rows.append({"model": model_name, "policy": policy, "micro_batch_windows": micro, "cache_features": plan.cache_features,
                          "graph": graph, "plan": plan, "call_peak_bytes": total, "call_peak_anon_bytes": anon})
-            log.info("%-10s micro %2d cache %d: measured total %9d anon %9d", policy, micro, plan.cache_features,
-                     total, anon)
+            log.info("%-5s %-10s micro %2d cache %d: measured total %9d anon %9d", model_name, policy, micro,
+                     plan.cache_features, total, anon)
 
     if args.rows:
         atomic_write_json(args.rows, [{**r, "graph": r["graph"].to_dict(), "plan": r["plan"].to_dict()} for r in rows])
@@ -277,7 +311,7 @@ def main(argv=None) -> int:
                      calibration={
                          "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                          "command": " ".join(["benchmarks/calibrate_cost.py", *(argv or sys.argv[1:])]),
-                         "figure": args.fit, "conservative": args.conservative, "tolerance": args.tolerance, "model": f"{args.model} {args.channels}x{args.time_steps}",
+                         "figure": args.fit, "conservative": args.conservative, "tolerance": args.tolerance, "model": f"{args.model} {args.channels}x{args.time_steps}" + (" + tiny (TINY_PLANS)" if args.tiny else ""),
                          "batch_windows": args.batch, "n_windows": args.n_windows, "threads": args.threads,
                          "versions": package_versions(("edgeadapt", "numpy", "scipy", "torch", "onnx", "onnxruntime-training-cpu", "onnxruntime-training")), "fits": fits,
                          "plans": [{k: v for k, v in r.items() if k not in ("graph", "plan")} for r in rows],
