@@ -11,6 +11,13 @@ It picks, in this order of concern:
    run it with every micro-batch;
 4. rematerialisation -- none when everything fits, else the least recompute FLOPs that fit.
 
+The selection bounds activations from above, so near the smallest budget it may find nothing
+that fits; the smallest updates (one unit alone, in every cut, cache and recompute form) are
+then costed exactly with :func:`predict`, and the most important one that fits is taken.
+:func:`minimum_budget` is the least predicted peak over those same plans, so
+:func:`plan_for_budget` succeeds at that budget and fails below it, and its
+:class:`NoFeasiblePlan` names it.
+
 The result carries ``predicted`` and ``budget_bytes`` and has passed :func:`verify`.
 :func:`replan` re-plans a made plan for another window count (the device's real data) keeping
 its updates, cut and recompute choices: a cheap, pure call.
@@ -20,18 +27,19 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import replace
+from collections import defaultdict
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from .cost import CostModel, activation_arrays, clean_cut, predict
 from .errors import NoFeasiblePlan
 from .ir import Graph
-from .plan import Action, Mode, ParamPlan, Plan, parse_bytes
+from .plan import Action, Mode, ParamPlan, Peak, Plan, parse_bytes
 from .policy import UpdatePolicy
 from .remat import chain_from_graph, min_flops_schedule, min_peak_schedule
 from .resolve import cut_of, plan_from_policy
-from .select import Selection, build_problem, candidate_units, select_greedy, select_milp, selection_peak
+from .select import build_problem, candidate_units, select_greedy, select_milp
 from .verify import verify
 
 __all__ = ["plan_for_budget", "replan", "micro_batch_sizes", "minimum_budget"]
@@ -154,31 +162,162 @@ def _plan_from_selection(graph: Graph, problem, selection, base: Plan) -> Plan:
                    micro_batch_windows=problem.micro_batch_windows), config.remat
 
 
-def _smallest(graph: Graph, units, cost: CostModel, n_windows: int, optimizer: str, base: Plan,
-              allow_cache: bool, allow_remat: bool) -> tuple[int, str]:
-    problem = build_problem(graph, units, cost, micro_batch_windows=1, n_windows=n_windows, optimizer=optimizer,
-                            allow_cache=allow_cache, allow_remat=allow_remat)
-    best = min(((selection_peak(problem, (u,), j), u, j) for u in range(len(units))
-                for j in range(len(problem.configs))), default=None)
-    if best is None or best[0] == math.inf:
+@dataclass(frozen=True)
+class _Single:
+    """One of the smallest updates a plan can make: one selection unit alone, or one parameter
+    whose units are channel groups trained whole (every group: no channel split).
+
+    Attributes:
+        params: the plan's per-parameter decisions (every other parameter frozen).
+        op_index: the op owning the trained parameter.
+        importance: the selection's importance of what trains.
+    """
+
+    params: tuple[ParamPlan, ...]
+    op_index: int
+    importance: float
+
+
+def _singles(graph: Graph, units) -> list[_Single]:
+    """Every single update of ``units`` (see :class:`_Single`), by decreasing importance.
+
+    Any plan the selection makes trains at least one of them at its earliest trained op, in the
+    same cut and cache form, and is predicted at least as high (every phase grows with the
+    trained set); so the least predicted peak over singles is the smallest feasible budget.
+    """
+    frozen = [ParamPlan(p.name, Mode.FROZEN) for p in graph.params]
+    index = {p.name: i for i, p in enumerate(graph.params)}
+
+    def with_(name: str, plan: ParamPlan) -> tuple[ParamPlan, ...]:
+        params = list(frozen)
+        params[index[name]] = plan
+        return tuple(params)
+
+    out, grouped = [], defaultdict(float)
+    for u in units:
+        param = graph.param(u.param)
+        if u.channels is None or len(u.channels) == param.out_channels:
+            out.append(_Single(with_(u.param, ParamPlan(u.param, Mode.FULL)), u.op_index, u.importance))
+        else:
+            out.append(_Single(with_(u.param, ParamPlan(u.param, Mode.CHANNELS, u.channels)), u.op_index,
+                               u.importance))
+            grouped[u.param] += u.importance
+    for name, importance in grouped.items():
+        out.append(_Single(with_(name, ParamPlan(name, Mode.FULL)), graph.owner_index(name), importance))
+    return sorted(out, key=lambda s: -s.importance)
+
+
+def _activation_bound(peak: Peak) -> bool:
+    """Whether ``peak`` is set by the activations (recompute could lower it)."""
+    return peak.where.startswith(("forward", "backward"))
+
+
+def _floor_bytes(peak: Peak) -> int:
+    """The peak of the phases that recompute does not change: a lower bound of any recompute form."""
+    return max(v for phase, v in peak.phases_bytes.items() if phase not in ("forward", "backward"))
+
+
+class _Forms:
+    """The forms the planner gives a single update (features cached at any clean cut before its
+    op, or the prefix run every step), each with a lower bound of its predicted peak.
+
+    The bound is the peak of the same form training nothing (predicted peaks grow with the
+    trained set), shared by every single of that cut; it lets the searches skip most forms.
+    """
+
+    def __init__(self, graph: Graph, cost: CostModel, base: Plan, allow_cache: bool):
+        self.graph, self.cost = graph, cost
+        self.base = replace(base, params=tuple(ParamPlan(p.name, Mode.FROZEN) for p in graph.params),
+                            activations=(), predicted=None, budget_bytes=None)
+        self.clean_cuts = [c for c in range(len(graph.ops)) if clean_cut(graph, c)] if allow_cache else []
+        self._floors: dict[tuple[int, bool, int], int] = {}
+
+    def of(self, single: _Single, micro_batch_windows: int) -> list[tuple[int, Plan]]:
+        """(lower bound of the peak in bytes, plan) of each form of ``single``, no recompute:
+        cached features (the latest cut first), then the prefix run every step."""
+        base = replace(self.base, micro_batch_windows=micro_batch_windows)
+        cuts = [(c, True) for c in reversed(self.clean_cuts) if c < single.op_index]
+        cuts.append((single.op_index - 1, False))
+        out = []
+        for cut, cache in cuts:
+            key = (cut, cache, micro_batch_windows)
+            if key not in self._floors:
+                empty = replace(base, cut=cut, cache_features=cache)
+                self._floors[key] = predict(self.graph, empty, self.cost).peak_bytes
+            out.append((self._floors[key], replace(base, params=single.params, cut=cut, cache_features=cache)))
+        return out
+
+
+def _smallest_plan(graph: Graph, singles: list[_Single], forms: _Forms, allow_remat: bool) -> tuple[Plan, Peak]:
+    """The plan of least predicted peak over every single update and form at micro-batch 1
+    (recompute at least memory where that lowers it): its peak is the smallest feasible budget."""
+    cost = forms.cost
+    candidates = [form for s in singles for form in forms.of(s, 1)]
+    todo = sorted(((floor, i, plan) for i, (floor, plan) in enumerate(candidates)), key=lambda t: t[:2])
+    best: tuple[Plan, Peak] | None = None
+    for floor, _, plan in todo:  # lowest bound first: stop once no form can beat the best
+        if best is not None and floor >= best[1].peak_bytes:
+            break
+        peak = predict(graph, plan, cost)
+        if best is None or peak.peak_bytes < best[1].peak_bytes:
+            best = plan, peak
+        if allow_remat and _activation_bound(peak) and _floor_bytes(peak) < best[1].peak_bytes:
+            low = _with_remat(graph, plan, cost, None, minimal=True)
+            if low is not None and (low_peak := predict(graph, low, cost)).peak_bytes < best[1].peak_bytes:
+                best = low, low_peak
+    if best is None:
         raise ValueError(f"graph {graph.name!r} has no parameter to train")
-    plan, remat = _plan_from_selection(graph, problem, Selection((best[1],), best[2], 0.0), base)
-    if remat:
-        plan = _with_remat(graph, plan, cost, None, minimal=True) or plan
-    # The solvers see real-valued sums; predict rounds each phase up: both must fit.
-    peak = predict(graph, plan, cost)
-    return max(int(math.ceil(best[0])), peak.peak_bytes), peak.where
+    return best
+
+
+def _fit_single(graph: Graph, single: _Single, forms: _Forms, budget: int, allow_remat: bool,
+                micro_sizes: list[int]) -> Plan | None:
+    """``single``'s fastest plan within ``budget``: the largest micro-batch, then cached features
+    (the latest cut first), then no recompute before the least recompute FLOPs that fit."""
+    cost = forms.cost
+    for m in micro_sizes:
+        for floor, plan in forms.of(single, m):
+            if floor > budget:
+                continue
+            peak = predict(graph, plan, cost)
+            if peak.peak_bytes <= budget:
+                return plan
+            if allow_remat and _activation_bound(peak) and _floor_bytes(peak) <= budget:
+                for minimal in (False, True):
+                    remat = _with_remat(graph, plan, cost, budget, minimal=minimal)
+                    if remat is not None and predict(graph, remat, cost).peak_bytes <= budget:
+                        return remat
+    return None
+
+
+def _best_single(graph: Graph, singles: list[_Single], forms: _Forms, budget: int, allow_remat: bool,
+                 micro_sizes: list[int], above: float) -> tuple[float, Plan] | None:
+    """The most important single update whose importance exceeds ``above`` (by more than
+    rounding) that fits ``budget``, in its fastest form; ``None`` when none does."""
+    for single in singles:  # by decreasing importance
+        if single.importance <= above + 1e-9 * max(1.0, abs(above)):
+            return None
+        # Fits at all <=> fits at micro-batch 1 (every phase grows with the micro-batch).
+        if _fit_single(graph, single, forms, budget, allow_remat, [1]) is not None:
+            return single.importance, _fit_single(graph, single, forms, budget, allow_remat, micro_sizes)
+    return None
 
 
 def minimum_budget(graph: Graph, *, n_windows: int = 128, batch_windows: int = 32, optimizer: str = "adamw",
                    cost: CostModel | None = None, importance: dict | None = None, allow_cache: bool = True,
                    allow_remat: bool = True) -> int:
-    """The smallest budget for which :func:`plan_for_budget` (selecting updates) finds a plan."""
+    """The smallest budget for which :func:`plan_for_budget` (selecting updates) finds a plan.
+
+    It is the least predicted peak over the smallest updates (one selection unit, or one
+    channel-grouped parameter whole) in every form the planner makes (features cached at any
+    clean cut before the update, or the prefix run every step; recompute at least memory) at
+    micro-batch 1: :func:`plan_for_budget` succeeds at this budget and fails one byte below.
+    """
     cost = cost or CostModel.default()
     base = Plan(graph=graph.name, params=tuple(ParamPlan(p.name, Mode.FROZEN) for p in graph.params),
                 batch_windows=batch_windows, micro_batch_windows=1, n_windows=n_windows, optimizer=optimizer)
-    return _smallest(graph, candidate_units(graph, importance), cost, n_windows, optimizer, base,
-                     allow_cache, allow_remat)[0]
+    singles = _singles(graph, candidate_units(graph, importance))
+    return _smallest_plan(graph, singles, _Forms(graph, cost, base, allow_cache), allow_remat)[1].peak_bytes
 
 
 def plan_for_budget(graph: Graph, budget_bytes: int | str, *, importance: dict | None = None, n_windows: int = 128,
@@ -247,11 +386,17 @@ def plan_for_budget(graph: Graph, budget_bytes: int | str, *, importance: dict |
         return None
 
     results = [(r[0], m, r[1]) for m in sizes if (r := solve(m)) is not None]
+    best = max((r[0] for r in results), default=-math.inf)
+    # The selection bounds a configuration's activations by training everything after its first
+    # op, so near the smallest budget it can miss plans that fit: a single update, costed
+    # exactly, that beats its best is taken (and is the answer when the selection finds none).
+    singles, forms = _singles(graph, units), _Forms(graph, cost, base, allow_cache)
+    single = _best_single(graph, singles, forms, budget, allow_remat, sizes, above=best)
+    if single is not None:
+        return _finish(graph, single[1], budget, cost)
     if not results:
-        need, where = _smallest(graph, units, cost, n_windows, optimizer, replace(base, micro_batch_windows=1),
-                                allow_cache, allow_remat)
-        raise NoFeasiblePlan(max(need, budget + 1), budget, where)
-    best = max(r[0] for r in results)
+        _, smallest = _smallest_plan(graph, singles, forms, allow_remat)
+        raise NoFeasiblePlan(smallest.peak_bytes, budget, smallest.where)
     value, m, plan = next(r for r in results if r[0] >= (1.0 - importance_tolerance) * best)  # largest micro first
     if allow_cache and not plan.cache_features:
         # Caching runs the prefix once per call instead of every epoch: worth a little importance.

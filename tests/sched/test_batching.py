@@ -7,8 +7,8 @@ import random
 import pytest
 from sched_testgraphs import random_graph
 
-from edgeadapt.sched import (CostModel, NoFeasiblePlan, Plan, UpdatePolicy, minimum_budget, plan_for_budget,
-                             plan_from_policy, predict, replan, verify)
+from edgeadapt.sched import (CostModel, Graph, NoFeasiblePlan, Op, Param, Plan, UpdatePolicy, minimum_budget,
+                             plan_for_budget, plan_from_policy, predict, replan, verify)
 from edgeadapt.sched.batching import micro_batch_sizes
 from edgeadapt.sched.resolve import cut_of
 
@@ -82,3 +82,68 @@ def test_replan_for_more_windows_shrinks_or_refuses():
         assert again.n_windows == 4000 and again.params == plan.params
         assert again.predicted.peak_bytes <= plan.budget_bytes
         assert again.micro_batch_windows <= plan.micro_batch_windows or again.cache_features != plan.cache_features
+
+
+def attention_graph() -> Graph:
+    """A transformer-like graph (bytes per window): an embedding, a residual attention block whose
+    score op is far wider than the tensors around it, a norm, an MLP layer and a head.
+
+    Cached features after the block leave the wide op in the prefix, which runs as inference
+    over the cut (the features phase); cached earlier, it runs in the training graph."""
+    def linear(name, n_out, n_in):
+        return (Param(f"{name}.weight", (n_out, n_in), module=name, module_type="Linear"),
+                Param(f"{name}.bias", (n_out,), module=name, module_type="Linear"))
+
+    params = (*linear("embed", 64, 8), *linear("attn.qkv", 192, 64), *linear("attn.out", 64, 64),
+              Param("norm.weight", (64,), module="norm", module_type="LayerNorm"),
+              Param("norm.bias", (64,), module="norm", module_type="LayerNorm"),
+              *linear("fc", 64, 64), *linear("head", 7, 64))
+
+    def op(name, inputs, out, saved, workspace=0, params=True):
+        owned = (f"{name}.weight", f"{name}.bias") if params else ()
+        return Op(name, "X", owned, inputs, out, saved, workspace, 10 * out, name)
+
+    ops = (op("embed", (), 4096, 1024), op("attn.qkv", ("embed",), 12288, 4096),
+           op("attn", ("attn.qkv",), 4096, 65536, workspace=131072, params=False),
+           op("attn.out", ("attn",), 4096, 4096), op("add", ("attn.out", "embed"), 4096, 0, params=False),
+           op("norm", ("add",), 4096, 4096, workspace=8192), op("fc", ("norm",), 4096, 4096),
+           op("pool", ("fc",), 256, 0, params=False), op("head", ("pool",), 28, 256))
+    return Graph(ops, params, 1024, "attention")
+
+
+BOUNDARY_GRAPHS = {"attention": attention_graph(),
+                   **{f"random{seed}": random_graph(random.Random(seed), 4 + seed % 6) for seed in range(5)}}
+BOUNDARY_COSTS = {
+    "plain": COST,
+    "overheads": CostModel(session_overhead_bytes=5000, prefix_session_overhead_bytes=3000, per_window_bytes=16,
+                           grad_op_bytes=700, graph_op_bytes=50, channel_weight_factor=2.0, activation_factor=1.3,
+                           inference_activation_factor=0.7, gradient_factor=1.75, optimizer_workspace_factor=0.5),
+    "calibrated": CostModel.default(),
+}
+
+
+@pytest.mark.parametrize("cost", BOUNDARY_COSTS.values(), ids=BOUNDARY_COSTS.keys())
+@pytest.mark.parametrize("name", BOUNDARY_GRAPHS)
+def test_minimum_budget_is_the_budget_where_plan_for_budget_starts_to_succeed(name, cost):
+    g = BOUNDARY_GRAPHS[name]
+    rng = random.Random(name)
+    for importance in (None, {p.name: rng.random() for p in g.params}):
+        for solver in ("milp", "greedy"):
+            kw = dict(n_windows=35, batch_windows=32, cost=cost, importance=importance)
+            low = minimum_budget(g, **kw)
+            plan = plan_for_budget(g, low, solver=solver, **kw)
+            assert verify(g, plan, low, cost=cost) == plan.predicted
+            assert plan.predicted.peak_bytes == low  # nothing the planner makes is smaller
+            with pytest.raises(NoFeasiblePlan) as info:
+                plan_for_budget(g, low - 1, solver=solver, **kw)
+            assert info.value.need_bytes == low
+
+
+def test_smallest_attention_plan_caches_features_past_the_wide_op():
+    """The smallest plan runs the prefix, wide op included, once per call as inference; the
+    features phase sets its peak, and minimum_budget counts it."""
+    g = attention_graph()
+    low = minimum_budget(g, n_windows=35, batch_windows=32, cost=BOUNDARY_COSTS["overheads"])
+    plan = plan_for_budget(g, low, n_windows=35, batch_windows=32, cost=BOUNDARY_COSTS["overheads"])
+    assert plan.cache_features and plan.cut >= g.op_index("add")
+    assert plan.predicted.where == "features:attn"
