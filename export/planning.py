@@ -12,7 +12,6 @@ at the plan's cut when the plan caches the prefix's features.
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -23,8 +22,9 @@ from torch import nn
 from ..bundle import ParameterEntry
 from ..sched import plan_for_budget, plan_from_policy, predict, verify
 from ..sched.ir import Graph
-from ..sched.plan import Mode, Plan
-from ..sched.policy import Rule, UpdatePolicy
+from ..sched.plan import Plan
+from ..sched.policy import UpdatePolicy
+from ..sched.resolve import policy_of_plan
 from .graph import to_onnx
 from .importance import measure_importance
 from .prepare import prepare_model
@@ -122,38 +122,6 @@ def plan_export(model: nn.Module, example_input: torch.Tensor, *, policy: Update
     if plan.predicted is None:
         plan = replace(plan, predicted=predict(graph, plan))
     return PlannedExport(graph, plan)
-
-
-def policy_of_plan(graph: Graph, plan: Plan) -> UpdatePolicy:
-    """Rules (one per module, exact paths, explicit channels) that make ``prepare_model`` train
-    exactly what ``plan`` trains.
-
-    Raises:
-        ValueError: the plan trains parameters of one module in ways one rule cannot say (e.g.
-            the weight on some channels and the bias whole).
-    """
-    by_module: dict[str, list] = defaultdict(list)
-    for p in plan.params:
-        by_module[graph.param(p.name).module].append(p)
-    rules = []
-    for module, members in by_module.items():
-        trained = [p for p in members if p.trains]
-        if not trained:
-            continue
-        pattern = "".join(f"[{c}]" if c in "*?[" else c for c in module)
-        if all(p.mode is Mode.CHANNELS for p in members) and len({p.channels for p in members}) == 1:
-            rules.append(Rule(pattern, Mode.CHANNELS, indices=members[0].channels))
-        elif all(p.trains and p.mode is not Mode.CHANNELS for p in members):
-            rules.append(Rule(pattern, Mode.FULL))
-        elif [p.name for p in trained] == [p.name for p in members if graph.param(p.name).is_bias] and \
-                all(p.mode is not Mode.CHANNELS for p in trained):
-            rules.append(Rule(pattern, Mode.BIAS))
-        else:
-            raise ValueError(
-                f"the plan trains the parameters of module {module!r} as "
-                f"{[(p.name, p.mode.value) for p in members]}, which the exporter cannot lay out "
-                "(a module trains whole, only its bias, or the same output channels of every parameter)")
-    return UpdatePolicy(tuple(rules), Mode.FROZEN)
 
 
 def check_entries(plan: Plan, entries: tuple[ParameterEntry, ...]) -> None:

@@ -203,7 +203,7 @@ def prepare_model(model: nn.Module, policy: UpdatePolicy, batchnorm: str = "froz
     decisions = resolve_param_list(params, policy, weights)
     labels = {}
     for p in params:
-        rule = policy.rule_for(p.module, p.module_type)
+        rule = policy.rule_for(p.module, p.module_type, p.name.rsplit(".", 1)[-1])
         if (rule.mode if rule is not None else policy.default) is Mode.BIAS and decisions[p.name].trains:
             labels[p.name] = Mode.BIAS.value
     return _apply(prepared, decisions, labels)

@@ -14,7 +14,7 @@ from .offload import BlockTooLarge, plan_offload
 from .plan import Action, Mode, ParamPlan, Peak, Plan, Tier, format_bytes, parse_bytes
 from .policy import Rule, UpdatePolicy
 from .remat import Chain, chain_from_graph, min_flops_schedule, min_peak_schedule, sqrt_schedule
-from .resolve import cut_of, plan_from_policy, resolve_channels, resolve_params, trained_bytes
+from .resolve import cut_of, plan_from_policy, policy_of_plan, resolve_channels, resolve_params, trained_bytes
 from .select import Unit, candidate_units, select_greedy, select_milp
 from .verify import TimelineEvent, check_plan, timeline, verify
 
@@ -22,7 +22,7 @@ __all__ = [
     "Graph", "Op", "Param",
     "Plan", "ParamPlan", "Peak", "Mode", "Tier", "Action", "parse_bytes", "format_bytes",
     "Rule", "UpdatePolicy",
-    "plan_from_policy", "resolve_params", "resolve_channels", "cut_of", "trained_bytes",
+    "plan_from_policy", "policy_of_plan", "resolve_params", "resolve_channels", "cut_of", "trained_bytes",
     "CostModel", "predict", "PHASES",
     "verify", "timeline", "TimelineEvent", "check_plan", "BudgetExceeded", "NoFeasiblePlan",
     "Unit", "candidate_units", "select_milp", "select_greedy",

@@ -7,11 +7,17 @@ of a module's own parameters, and modules no rule matches get ``default``::
     UpdatePolicy(rules=(Rule("head", "full"), Rule("blocks.3.conv", "channels", ratio=0.25)),
                  default="frozen")
 
+A rule may name the module's parameters it decides (``params=("weight",)``, by their local
+names); the others fall through to the next matching rule. So any per-parameter choice has a
+rule form, e.g. a norm layer's weight trained without its bias::
+
+    UpdatePolicy(rules=(Rule("blocks.0.bn", "full", params=("weight",)),))
+
 Modes:
     frozen:   nothing changes.
     bias:     only the module's ``bias`` changes.
     full:     every parameter of the module changes.
-    channels: a subset of output channels (axis 0) of every parameter of the module changes,
+    channels: a subset of output channels (axis 0) of every parameter the rule decides changes,
               given as explicit ``indices`` or as a ``ratio`` of channels picked by weight
               magnitude (largest L2 norm of the output channel's weights).
 """
@@ -47,6 +53,9 @@ class Rule:
         indices: for ``channels``: the output channels that train.
         ratio: for ``channels``: the fraction of output channels that train, in (0, 1].
         types: optional module class names the rule is restricted to, e.g. ``("BatchNorm1d",)``.
+        params: optional local names of the module's parameters the rule decides, e.g.
+            ``("weight",)``; the module's other parameters are left to later rules (``None``:
+            every parameter of the module).
     """
 
     pattern: str
@@ -54,6 +63,7 @@ class Rule:
     indices: tuple[int, ...] | None = None
     ratio: float | None = None
     types: tuple[str, ...] | None = None
+    params: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode(self.mode))
@@ -61,6 +71,11 @@ class Rule:
             object.__setattr__(self, "indices", tuple(int(i) for i in self.indices))
         if self.types is not None:
             object.__setattr__(self, "types", tuple(self.types))
+        if self.params is not None:
+            object.__setattr__(self, "params", tuple(self.params))
+            if not self.params or not all(isinstance(n, str) and n and "." not in n for n in self.params):
+                raise ValueError(f"rule {self.pattern!r}: params must be a non-empty list of local parameter names "
+                                 f"such as 'weight' (no module path), got {list(self.params)}")
         if self.mode is Mode.CHANNELS:
             if (self.indices is None) == (self.ratio is None):
                 raise ValueError(f"rule {self.pattern!r}: mode 'channels' needs exactly one of indices= or ratio=")
@@ -71,8 +86,12 @@ class Rule:
         elif self.indices is not None or self.ratio is not None:
             raise ValueError(f"rule {self.pattern!r}: indices/ratio only apply to mode 'channels', not {self.mode.value!r}")
 
-    def matches(self, module_path: str, module_type: str) -> bool:
+    def matches(self, module_path: str, module_type: str, param: str | None = None) -> bool:
+        """Whether the rule decides parameter ``param`` (a local name) of the module at
+        ``module_path``; with ``param=None``, whether it decides any of the module's parameters."""
         if self.types is not None and module_type not in self.types:
+            return False
+        if param is not None and self.params is not None and param not in self.params:
             return False
         return fnmatch.fnmatchcase(module_path, self.pattern)
 
@@ -84,11 +103,13 @@ class Rule:
             d["ratio"] = self.ratio
         if self.types is not None:
             d["types"] = list(self.types)
+        if self.params is not None:
+            d["params"] = list(self.params)
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Rule:
-        return cls(d["pattern"], d["mode"], d.get("indices"), d.get("ratio"), d.get("types"))
+        return cls(d["pattern"], d["mode"], d.get("indices"), d.get("ratio"), d.get("types"), d.get("params"))
 
 
 NORM_TYPES = ("BatchNorm1d", "BatchNorm2d", "LayerNorm", "FrozenBatchNorm")
@@ -129,9 +150,12 @@ class UpdatePolicy:
         return cls(rules=(Rule(head, Mode.FULL), *(Rule(m, Mode.CHANNELS, ratio=ratio) for m in modules)))
 
     # ---- resolution ------------------------------------------------------------------
-    def rule_for(self, module_path: str, module_type: str) -> Rule | None:
+    def rule_for(self, module_path: str, module_type: str, param: str | None = None) -> Rule | None:
+        """The first rule deciding parameter ``param`` (a local name such as ``"weight"``) of the
+        module at ``module_path``; ``None``: the default applies. With ``param=None``, the
+        first rule matching the module whatever parameters it names."""
         for rule in self.rules:
-            if rule.matches(module_path, module_type):
+            if rule.matches(module_path, module_type, param):
                 return rule
         return None
 
@@ -148,7 +172,9 @@ class UpdatePolicy:
 
         Named policies: ``full``, ``last-layer``, ``bias-norm``. Otherwise comma-separated
         ``pattern=mode`` items, where mode is ``frozen|bias|full|channels:RATIO|channels:I+J+K``;
-        an item ``*=mode`` sets the default. Example: ``head=full,blocks.3.conv=channels:0.25``.
+        an item ``*=mode`` sets the default. ``pattern:P+Q=mode`` restricts the rule to the
+        module's parameters named P and Q (local names). Example:
+        ``head=full,blocks.3.conv=channels:0.25,blocks.0.bn:weight=full``.
         """
         named = {"full": cls.full, "last-layer": cls.last_layer, "bias-norm": cls.bias_and_norm}
         if spec in named:
@@ -160,16 +186,19 @@ class UpdatePolicy:
                     f"policy item {item!r} is not pattern=mode; use e.g. 'head=full' or one of {sorted(named)}"
                 )
             pattern, mode = (s.strip() for s in item.split("=", 1))
+            pattern, _, names = pattern.partition(":")
+            params = tuple(names.split("+")) if names else None
             if mode.startswith("channels:"):
                 arg = mode.split(":", 1)[1]
                 if "+" in arg or arg.isdigit():
-                    rules.append(Rule(pattern, Mode.CHANNELS, indices=tuple(int(i) for i in arg.split("+"))))
+                    rules.append(Rule(pattern, Mode.CHANNELS, indices=tuple(int(i) for i in arg.split("+")),
+                                      params=params))
                 else:
-                    rules.append(Rule(pattern, Mode.CHANNELS, ratio=float(arg)))
-            elif pattern == "*":
+                    rules.append(Rule(pattern, Mode.CHANNELS, ratio=float(arg), params=params))
+            elif pattern == "*" and params is None:
                 default = Mode(mode)
             else:
-                rules.append(Rule(pattern, Mode(mode)))
+                rules.append(Rule(pattern, Mode(mode), params=params))
         return cls(tuple(rules), default)
 
 

@@ -1,15 +1,19 @@
 """A hand-written :class:`UpdatePolicy` becomes a :class:`Plan`.
 
 Resolution is a pure decision over the graph IR: each parameter's module (``Param.module``,
-``Param.module_type``) is matched against the policy's rules; the first matching rule (or the
-default) decides the mode of that module's own parameters:
+``Param.module_type``) and local name are matched against the policy's rules; the first rule
+that decides it (or the default) gives its mode:
 
-* ``frozen``: nothing trains;
-* ``bias``: the module's ``bias`` parameter trains whole (planned as ``full``), the others stay frozen;
-* ``full``: every parameter of the module trains;
-* ``channels``: the selected output channels (axis 0) of every parameter of the module train;
-  a ratio picks channels by the L2 norm of the module's weight (``weights`` must hold it), and a
-  selection covering every channel trains the tensors whole.
+* ``frozen``: it does not train;
+* ``bias``: it trains whole (planned as ``full``) if it is the module's ``bias``, else it is frozen;
+* ``full``: it trains;
+* ``channels``: its selected output channels (axis 0) train; a ratio picks channels by the L2
+  norm of the module's weight (of a rule naming parameters: of the weight if it names it, else
+  of the first it names; ``weights`` must hold it), and a selection covering every channel
+  trains the tensors whole.
+
+:func:`policy_of_plan` is the inverse: rules that resolve to exactly a plan's per-parameter
+decisions.
 
 The cut is the last op such that no op at or before it owns a trained parameter.
 """
@@ -26,7 +30,8 @@ from .ir import Graph, Param
 from .plan import Mode, ParamPlan, Plan
 from .policy import Rule, UpdatePolicy
 
-__all__ = ["resolve_channels", "resolve_params", "resolve_param_list", "plan_from_policy", "first_trained_op", "cut_of", "trained_bytes"]
+__all__ = ["resolve_channels", "resolve_params", "resolve_param_list", "plan_from_policy", "policy_of_plan",
+           "first_trained_op", "cut_of", "trained_bytes"]
 
 
 def resolve_channels(rule: Rule, module_path: str, weight: np.ndarray | None, n_out: int | None = None) -> tuple[int, ...]:
@@ -84,30 +89,82 @@ def resolve_param_list(params: Iterable[Param], policy: UpdatePolicy,
         by_module[p.module].append(p)
     decided: dict[str, ParamPlan] = {}
     for module, members in by_module.items():
-        rule = policy.rule_for(module, members[0].module_type)
-        mode = rule.mode if rule is not None else policy.default
-        channels = None
-        if mode is Mode.CHANNELS:
-            ref, w = _module_weight(members, weights)
-            channels = resolve_channels(rule, module, w, ref.out_channels)
-            if len(channels) == ref.out_channels:  # every channel trains: no frozen slice to split off
-                mode = Mode.FULL
-            else:
-                for p in members:
-                    if not p.shape or p.shape[0] != ref.out_channels:
-                        raise ValueError(
-                            f"policy rule {rule.pattern!r} trains output channels of {module}, but its "
-                            f"parameter {p.name.rsplit('.', 1)[-1]!r} has shape {list(p.shape)} without "
-                            f"{ref.out_channels} channels on axis 0; use mode 'full' or 'frozen' for this module"
-                        )
+        by_rule: dict[int, list[Param]] = defaultdict(list)  # rule index (-1: the default) -> its parameters
+        rules: dict[int, Rule | None] = {-1: None}
         for p in members:
-            if mode is Mode.FULL or (mode is Mode.BIAS and p.is_bias):
-                decided[p.name] = ParamPlan(p.name, Mode.FULL)
-            elif mode is Mode.CHANNELS:
-                decided[p.name] = ParamPlan(p.name, Mode.CHANNELS, channels)
-            else:
-                decided[p.name] = ParamPlan(p.name, Mode.FROZEN)
+            rule = policy.rule_for(module, p.module_type, _local_name(p))
+            key = -1 if rule is None else policy.rules.index(rule)
+            rules[key] = rule
+            by_rule[key].append(p)
+        for key, decides in by_rule.items():
+            rule = rules[key]
+            mode = rule.mode if rule is not None else policy.default
+            channels = None
+            if mode is Mode.CHANNELS:  # a rule naming parameters ranks channels by one of them
+                ref, w = _module_weight(members if rule.params is None else decides, weights)
+                channels = resolve_channels(rule, module, w, ref.out_channels)
+                if len(channels) == ref.out_channels:  # every channel trains: no frozen slice to split off
+                    mode = Mode.FULL
+                else:
+                    for p in decides:
+                        if not p.shape or p.shape[0] != ref.out_channels:
+                            raise ValueError(
+                                f"policy rule {rule.pattern!r} trains output channels of {module}, but its "
+                                f"parameter {_local_name(p)!r} has shape {list(p.shape)} without "
+                                f"{ref.out_channels} channels on axis 0; use mode 'full' or 'frozen' for it"
+                            )
+            for p in decides:
+                if mode is Mode.FULL or (mode is Mode.BIAS and p.is_bias):
+                    decided[p.name] = ParamPlan(p.name, Mode.FULL)
+                elif mode is Mode.CHANNELS:
+                    decided[p.name] = ParamPlan(p.name, Mode.CHANNELS, channels)
+                else:
+                    decided[p.name] = ParamPlan(p.name, Mode.FROZEN)
     return decided
+
+
+def _local_name(param: Param) -> str:
+    """The parameter's name within its module (``"weight"`` for ``"blocks.0.bn.weight"``)."""
+    return param.name.rsplit(".", 1)[-1]
+
+
+def _pattern_of(module: str) -> str:
+    """An ``fnmatch`` pattern matching exactly the module path ``module``."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in module)
+
+
+def policy_of_plan(graph: Graph, plan: Plan) -> UpdatePolicy:
+    """Rules (exact module paths, explicit channels) that resolve over ``graph`` to exactly the
+    plan's per-parameter decisions.
+
+    A module whose parameters share one decision gets one rule (``full``, ``bias`` when only its
+    bias trains, or ``channels`` with the trained indices); otherwise each decision gets a rule
+    naming the parameters it applies to, so any choice the planner makes has a rule form.
+    """
+    by_module: dict[str, list[tuple[Param, ParamPlan]]] = defaultdict(list)
+    for pp in plan.params:
+        param = graph.param(pp.name)
+        by_module[param.module].append((param, pp))
+    rules = []
+    for module, members in by_module.items():
+        pattern = _pattern_of(module)
+        trained = [(p, pp) for p, pp in members if pp.trains]
+        if not trained:
+            continue
+        # One rule per decision; channel subsets apply to parameters of one output-channel count.
+        by_decision: dict[tuple, list[str]] = defaultdict(list)
+        for p, pp in trained:
+            by_decision[(pp.mode, pp.channels, p.out_channels if pp.channels else None)].append(_local_name(p))
+        if len(trained) == len(members) and len(by_decision) == 1:
+            (mode, channels, _), = by_decision
+            rules.append(Rule(pattern, mode, indices=channels))
+        elif [p for p, _ in trained] == [p for p, _ in members if p.is_bias] and \
+                all(pp.mode is Mode.FULL for _, pp in trained):
+            rules.append(Rule(pattern, Mode.BIAS))
+        else:
+            rules += [Rule(pattern, mode, indices=channels, params=tuple(names))
+                      for (mode, channels, _), names in by_decision.items()]
+    return UpdatePolicy(tuple(rules), Mode.FROZEN)
 
 
 def resolve_params(graph: Graph, policy: UpdatePolicy, weights: dict[str, np.ndarray] | None = None) -> tuple[ParamPlan, ...]:

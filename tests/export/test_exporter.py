@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from helpers import make_cnn
+from helpers import as_if_pretrained, make_cnn
 from torch import nn
 
 from edgeadapt.bundle import read_manifest
@@ -158,3 +158,43 @@ def test_channel_ratio_of_one_is_a_full_update(tmp_path):
     entries = {p.name: p for p in read_manifest(tmp_path / "b").parameters}
     assert entries["conv2.weight"].mode == "full" and not entries["conv2.weight"].is_split
     assert entries["conv2.weight"].trainable_numel == 12 * 8 * 3
+
+
+class _NormBeforeHead(nn.Module):
+    """Conv features pooled over time, a BatchNorm on them, a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(4, 8, 3, padding=1)
+        self.bn = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.bn(torch.relu(self.conv(x)).mean(-1)))
+
+
+def test_budget_plan_training_a_norm_weight_without_its_bias_records_its_rules(tmp_path):
+    """Under a budget too small for both, the planner trains a BatchNorm's weight alone; the
+    manifest's policy must still say exactly what trains (it once fell back to an empty policy)."""
+    from edgeadapt.export.planning import model_graph
+    from edgeadapt.export.prepare import prepare_model
+    from edgeadapt.sched import minimum_budget, plan_for_budget
+
+    torch.manual_seed(0)
+    model = as_if_pretrained(_NormBeforeHead()).eval()
+    importance = {"bn.weight": 1.0, "bn.bias": 0.5}
+    graph, _ = model_graph(model, EXAMPLE, "frozen")
+    sizes = dict(n_windows=16, batch_windows=8, importance=importance)
+    low = minimum_budget(graph, **sizes) - 1
+    budget = 2 * low
+    while not plan_for_budget(graph, budget, **sizes).param("bn.weight").trains:
+        low, budget = budget, 2 * budget
+    while budget - low > 1:  # the smallest budget that trains the weight: no room for the bias too
+        mid = (low + budget) // 2
+        low, budget = (low, mid) if plan_for_budget(graph, mid, **sizes).param("bn.weight").trains else (mid, budget)
+    manifest = export_bundle(model, EXAMPLE, tmp_path / "b", memory_budget=budget, **sizes)
+    trained = {p.name for p in manifest.parameters if p.trainable_numel}
+    assert "bn.weight" in trained and "bn.bias" not in trained
+    policy = UpdatePolicy.from_dict(manifest.policy)
+    assert Rule("bn", "full", params=("weight",)) in policy.rules
+    assert {e.name for e in prepare_model(model, policy).entries if e.trainable_numel} == trained
