@@ -33,6 +33,7 @@ Activation accounting, shared with :mod:`.remat` and re-derived by :mod:`.verify
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass, field, fields
@@ -152,9 +153,15 @@ class CostModel:
 
     @classmethod
     def default(cls) -> CostModel:
-        """The constants measured by ``benchmarks/calibrate_cost.py`` and shipped with the package."""
-        text = resources.files(__package__).joinpath(_CONSTANTS_FILE).read_text()
-        return cls.from_dict(json.loads(text))
+        """The constants measured by ``benchmarks/calibrate_cost.py`` and shipped with the package,
+        read once per process: every plan a process makes uses the same constants, even if the
+        file is rewritten meanwhile (a calibration run)."""
+        return cls.from_dict(json.loads(_shipped_constants_text()))
+
+
+@functools.cache
+def _shipped_constants_text() -> str:
+    return resources.files(__package__).joinpath(_CONSTANTS_FILE).read_text()
 
 
 def channel_weight_bytes(graph: Graph, params) -> int:
