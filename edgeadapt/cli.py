@@ -268,6 +268,9 @@ def _add_train(p: argparse.ArgumentParser) -> None:
                    help="where the master weights and optimizer state live (default: host)")
     p.add_argument("--recompute", choices=("auto", "on", "off"), default="auto",
                    help="recompute activations in the backward pass instead of keeping them")
+    p.add_argument("--shard-optimizer-state", action="store_true",
+                   help="under torchrun, ZeRO-1: each rank keeps the AdamW state of its own blocks only (about "
+                        "1/world size of it) and broadcasts their updated weights; needs --offload host|disk")
     p.add_argument("--checkpoint-dir", required=True, help="run directory: checkpoints, offload state, weights.pt")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
     p.add_argument("--checkpoint-every", type=int, default=0,

@@ -13,24 +13,49 @@ Tensor files are plain ``torch.save`` dicts of tensors and are read back with
 ``torch.load(weights_only=True)``. A checkpoint is built in a hidden staging folder and renamed
 into place (:func:`edgeadapt.atomic.staged_directory`); then ``<dir>/latest.json`` is switched
 to it atomically. A run killed at any moment leaves the previous checkpoint as ``latest``.
+
+**Sharded optimizer state** (ZeRO-1, ``Trainer(shard_optimizer_state=True)``): no rank holds
+all of the AdamW state, so every rank writes its own blocks with torch.distributed.checkpoint
+(DCP) into the same staged folder, one DCP checkpoint per block so that a streamed model is
+still written one block at a time:
+
+* ``meta.json`` (rank 0): as above, plus ``"zero1": {"world_size": N, "owners": [rank per block]}``;
+* ``blocks/00000/`` ...: per block a DCP checkpoint (``.metadata`` and ``__<rank>_0.distcp``)
+  of ``param/<name>``, ``exp_avg/<name>``, ``exp_avg_sq/<name>`` and ``steps`` (int64, one
+  per parameter), written by the block's owner (the other ranks take part in the collective
+  with nothing to write);
+* ``ranks/``: one DCP checkpoint of every rank's own ``rank<r>/rng/<generator>`` and
+  ``rank<r>/buffers/<name>`` (each rank's random stream and BatchNorm statistics).
+
+Rank 0 creates the staging folder and sends its path to the others
+(``broadcast_object_list``); after the last DCP save (a collective) every rank's files are
+complete, rank 0 writes ``meta.json``, renames the folder into place and switches
+``latest.json``; the ranks then agree on the outcome (``all_gather_object``) so that a failure
+on one rank raises on all. Resuming needs the same world size (the assignment of blocks to
+ranks depends on it); another world size is refused naming both. A checkpoint without sharding
+resumes into a sharded trainer (each rank reads its own blocks' state from the block files).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from ..atomic import atomic_write_json, staged_directory
 
 if TYPE_CHECKING:
     from .trainer import Trainer
 
-__all__ = ["CheckpointMismatch", "save", "load", "latest", "check_signature", "rng_state", "set_rng_state"]
+__all__ = ["CheckpointMismatch", "save", "save_sharded", "load", "latest", "check_signature", "rng_state",
+           "set_rng_state"]
 
 log = logging.getLogger(__name__)
 
@@ -135,12 +160,172 @@ def load(trainer: Trainer, directory: Path) -> None:
     meta = json.loads((folder / "meta.json").read_text())
     if meta.get("format") != FORMAT:
         raise CheckpointMismatch(f"{folder} has checkpoint format {meta.get('format')!r}; this edgeadapt reads {FORMAT}")
+    zero, sharding = meta.get("zero1"), getattr(trainer, "sharding", None)
+    if zero is not None and sharding is None:
+        raise CheckpointMismatch(
+            f"{folder} holds optimizer state sharded over {zero['world_size']} rank(s) (ZeRO-1) and this trainer "
+            f"does not shard it; resume it with shard_optimizer_state=True (--shard-optimizer-state) under "
+            f"{zero['world_size']} rank(s)")
+    if zero is not None and zero["world_size"] != sharding.world_size:
+        raise CheckpointMismatch(
+            f"{folder} was written by {zero['world_size']} ranks with sharded optimizer state (ZeRO-1), and this "
+            f"run has {sharding.world_size} rank(s); each rank holds the optimizer state of its own blocks, so "
+            f"resume with {zero['world_size']} ranks (torchrun --nproc-per-node={zero['world_size']}) or start a "
+            f"new run")
     check_signature(meta["signature"], trainer.signature())
-    for i in range(len(trainer.blocks)):
-        trainer.set_block_state(i, torch.load(folder / f"block-{i:05d}.pt", weights_only=True))
-    trainer._load_buffers(torch.load(folder / "buffers.pt", weights_only=True))
-    set_rng_state(torch.load(folder / "rng.pt", weights_only=True))
+    if zero is not None:
+        if list(zero["owners"]) != list(sharding.owners):
+            raise CheckpointMismatch(f"{folder} assigns blocks to ranks as {zero['owners']}, this trainer as "
+                                     f"{sharding.owners}; resume with the same model and world size")
+        _load_sharded(trainer, folder)
+    else:
+        for i in range(len(trainer.blocks)):
+            trainer.set_block_state(i, torch.load(folder / f"block-{i:05d}.pt", weights_only=True))
+        trainer._load_buffers(torch.load(folder / "buffers.pt", weights_only=True))
+        set_rng_state(torch.load(folder / "rng.pt", weights_only=True))
     trainer.step_count = int(meta["step"])
     trainer.lr = float(meta["lr"])
     trainer.checkpoint_extra = dict(meta.get("extra", {}))
     log.info("resumed from %s (step %d)", folder, trainer.step_count)
+
+
+# ---- sharded optimizer state (ZeRO-1): torch.distributed.checkpoint -----------------------
+BLOCKS_DIR, RANKS_DIR = "blocks", "ranks"
+
+
+def _from_rank0(value, sharding):
+    """``value`` as rank 0 has it, on every rank (``broadcast_object_list``)."""
+    if not sharding.distributed:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=sharding._global(0), group=sharding.group)
+    return box[0]
+
+
+def _agree(failure: BaseException | None, sharding) -> None:
+    """Raise on every rank when any rank failed (``all_gather_object``)."""
+    if not sharding.distributed:
+        if failure is not None:
+            raise failure
+        return
+    got = [None] * sharding.world_size
+    dist.all_gather_object(got, None if failure is None else f"{type(failure).__name__}: {failure}",
+                           group=sharding.group)
+    if failure is not None:
+        raise failure
+    bad = [f"rank {r}: {m}" for r, m in enumerate(got) if m is not None]
+    if bad:
+        raise RuntimeError("writing the sharded checkpoint failed on another rank (" + "; ".join(bad) + ")")
+
+
+def _dcp_kwargs(sharding) -> dict:
+    return {"process_group": sharding.group, "no_dist": not sharding.distributed}
+
+
+@contextlib.contextmanager
+def _quiet_single_process(sharding):
+    """One process (world size 1) uses DCP with ``no_dist``; silence its warning about that."""
+    with warnings.catch_warnings():
+        if not sharding.distributed:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _block_shard(trainer: Trainer, index: int) -> dict[str, torch.Tensor]:
+    """What the owner of block ``index`` writes (empty on the other ranks)."""
+    if index not in trainer.sharding.owned:
+        return {}
+    st = trainer.block_state(index)
+    out = {f"{k}/{n}": t for k, d in st.items() if k != "steps" for n, t in d.items()}
+    out["steps"] = torch.tensor([int(st["steps"][n]) for n in trainer.blocks[index].param_names], dtype=torch.int64)
+    return out
+
+
+def _rank_shard(trainer: Trainer) -> dict[str, torch.Tensor]:
+    r = trainer.sharding.rank
+    out = {f"rank{r}/rng/{k}": v for k, v in rng_state().items()}
+    out.update({f"rank{r}/buffers/{n}": b for n, b in trainer.buffers().items()})
+    return out
+
+
+def save_sharded(trainer: Trainer, directory: Path, *, extra: dict, keep: int = 2) -> Path:
+    """Every rank writes its share of ``trainer`` (ZeRO-1) under ``directory``; rank 0 publishes.
+
+    A collective: all ranks of the trainer's group call it after the same step.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    sh = trainer.sharding
+    name = f"step-{trainer.step_count:08d}"
+    target = directory / name
+    failure: BaseException | None = None
+    if _from_rank0(target.exists(), sh):  # complete already (renamed last): only the pointer
+        if sh.rank == 0:
+            try:
+                atomic_write_json(directory / "latest.json", {"checkpoint": name, "step": trainer.step_count})
+            except Exception as e:  # noqa: BLE001 - every rank must learn of it
+                failure = e
+        _agree(failure, sh)
+        return target
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_quiet_single_process(sh))
+            stage, why = None, None
+            if sh.rank == 0:
+                try:
+                    directory.mkdir(parents=True, exist_ok=True)
+                    stage = stack.enter_context(staged_directory(target))
+                except Exception as e:  # noqa: BLE001 - sent to the other ranks below
+                    why, failure = f"{type(e).__name__}: {e}", e
+            stage_name, why = _from_rank0((None if stage is None else str(stage), why), sh)
+            if why is not None:
+                raise failure or RuntimeError(f"rank 0 could not stage the checkpoint {target}: {why}")
+            stage = Path(stage_name)
+            for i in range(len(trainer.blocks)):
+                dcp.save(_block_shard(trainer, i), checkpoint_id=stage / BLOCKS_DIR / f"{i:05d}", **_dcp_kwargs(sh))
+            dcp.save(_rank_shard(trainer), checkpoint_id=stage / RANKS_DIR, **_dcp_kwargs(sh))
+            if sh.rank == 0:  # every DCP save above ended with a collective: all ranks' files are complete
+                meta = {"format": FORMAT, "signature": trainer.signature(), "step": trainer.step_count,
+                        "lr": trainer.lr, "extra": extra, "zero1": sh.describe()}
+                atomic_write_json(stage / "meta.json", meta)
+        if sh.rank == 0:
+            atomic_write_json(directory / "latest.json", {"checkpoint": name, "step": trainer.step_count})
+            old = sorted(p for p in directory.glob("step-*") if p.is_dir() and p.name != name)
+            for p in old[: max(0, len(old) - (keep - 1))]:
+                shutil.rmtree(p, ignore_errors=True)
+    except Exception as e:  # noqa: BLE001 - every rank must learn of it
+        failure = e
+    _agree(failure, sh)
+    log.info("sharded checkpoint of step %d written to %s (rank %d of %d)", trainer.step_count, target, sh.rank,
+             sh.world_size)
+    return target
+
+
+def _load_sharded(trainer: Trainer, folder: Path) -> None:
+    """Every rank reads all weights, its own blocks' optimizer state, its random stream and buffers."""
+    import torch.distributed.checkpoint as dcp
+
+    sh, ex, store = trainer.sharding, trainer.executor, trainer.store
+    with _quiet_single_process(sh):
+        _read_shards(trainer, folder, dcp, sh, ex, store)
+
+
+def _read_shards(trainer: Trainer, folder: Path, dcp, sh, ex, store) -> None:
+    for i, slot in enumerate(ex.slots):
+        names = trainer.blocks[i].param_names
+        flats = {k: torch.empty(slot.numel, dtype=torch.float32) for k in store.kinds if store.holds(i, k)}
+        sd = {f"{k}/{n}": v for k, flat in flats.items() for n, v in zip(names, slot.views(flat))}
+        steps = torch.zeros(len(names), dtype=torch.int64)
+        sd["steps"] = steps
+        dcp.load(sd, checkpoint_id=folder / BLOCKS_DIR / f"{i:05d}", **_dcp_kwargs(sh))
+        for k, flat in flats.items():
+            store.write(i, k, flat)
+        slot.steps = [int(s) for s in steps]
+    where = folder / RANKS_DIR
+    saved = dcp.FileSystemReader(where).read_metadata().state_dict_metadata
+    prefix = f"rank{sh.rank}/"
+    sd = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in saved.items() if k.startswith(prefix)}
+    dcp.load(sd, checkpoint_id=where, **_dcp_kwargs(sh))
+    trainer._load_buffers({k[len(prefix + "buffers/"):]: v for k, v in sd.items()
+                           if k.startswith(prefix + "buffers/")})
+    set_rng_state({k[len(prefix + "rng/"):]: v for k, v in sd.items() if k.startswith(prefix + "rng/")})

@@ -137,13 +137,17 @@ class StreamingExecutor:
         reduce: gradient reduction hook, called before each block's update.
         chunk_numel: elements per chunk of a disk-tier update (staged bytes: 4 x this x
             (2 + optimizer-state vectors): master weights, state, one temporary).
+        owned: the block indices whose optimizer update this process runs (ZeRO-1: another
+            rank updates the others and broadcasts their weights, :mod:`edgeadapt.server.zero`);
+            ``None``: every block.
     """
 
     def __init__(self, blocks: list[Block], store: StateStore, ledger: MemoryLedger, device: torch.device,
                  plan: Plan, optimizer: OptimizerConfig, reduce: ReduceFn | None = None,
-                 chunk_numel: int = 1 << 18):
+                 chunk_numel: int = 1 << 18, owned=None):
         self.store, self.ledger, self.device, self.optimizer = store, ledger, device, optimizer
         self.reduce: ReduceFn = reduce or _no_reduce
+        self.owned = None if owned is None else frozenset(owned)
         self.lr = optimizer.lr
         self.chunk_numel = int(chunk_numel)
         self.slots: list[BlockSlot] = []
@@ -190,8 +194,13 @@ class StreamingExecutor:
             for v, n in zip(s.views(flat), s.full_names):
                 v.copy_(params[n].detach().to(torch.float32))
             self.store.write(s.index, "param", flat)
-            for k in self.optimizer.state_kinds:
-                self.store.write(s.index, k, torch.zeros(s.numel, dtype=torch.float32))
+            if self.owns(s.index):
+                for k in self.optimizer.state_kinds:
+                    self.store.write(s.index, k, torch.zeros(s.numel, dtype=torch.float32))
+
+    def owns(self, index: int) -> bool:
+        """Whether this process runs block ``index``'s optimizer update (and keeps its state)."""
+        return self.owned is None or index in self.owned
 
     def install(self) -> None:
         """Route each block's calls through the executor and drop its own parameter storage; the
@@ -449,12 +458,20 @@ class StreamingExecutor:
         off a GPU run on the calling thread, in block order; the update itself runs on one
         background thread while the backward of the next block proceeds. :meth:`end_step`
         waits for it. The reservation ``grads:<block>`` is released when the gradients are
-        no longer held in the compute tier.
+        no longer held in the compute tier. A block another rank owns (ZeRO-1) is not updated
+        here: after the reduction its gradients are dropped (the owner broadcasts the new
+        weights after the step).
         """
         present = [i for i, g in enumerate(grads) if g is not None]
         gl = [grads[i] for i in present]
         try:
             self.reduce(slot.name, gl)
+            if not self.owns(slot.index):
+                del gl, grads
+                self.ledger.release(f"grads:{slot.name}")
+                for i in present:  # kept in step with the owner's count (checkpoints, resume)
+                    slot.steps[i] += 1
+                return
             if self.device.type != "cpu":
                 gl = [g.to("cpu") for g in gl]
                 self.ledger.release(f"grads:{slot.name}")

@@ -44,6 +44,8 @@ class TrainProgress:
         fields = {"loss": f"{self.loss:.4f}", f"{self.unit}/s": f"{self._items / elapsed:.1f}",
                   "compute peak": format_bytes(self.trainer.tracked_peak_bytes)}
         fields.update({t: format_bytes(b) for t, b in tiers.items() if t != "compute" and b})
+        if getattr(self.trainer, "shards_optimizer_state", False):  # ZeRO-1: this rank's share
+            fields["optimizer state"] = format_bytes(self.trainer.optimizer_state_bytes)
         return fields
 
     def update(self, loss: float, *, items: int) -> None:

@@ -6,6 +6,9 @@ compute device is a GPU, so copies to it can run asynchronously). :class:`DiskSt
 file per block and kind and reads and writes them explicitly; after each read and write it
 advises the kernel to drop the file's pages (``posix_fadvise(DONTNEED)`` where available), so
 what keeps the state out of RAM is the design, not the page cache.
+
+With optimizer-state sharding (ZeRO-1, :mod:`edgeadapt.server.zero`) a store holds ``param``
+for every block but the optimizer's kinds only for ``state_blocks``, the blocks this rank owns.
 """
 
 from __future__ import annotations
@@ -38,17 +41,33 @@ class StateStore:
     Args:
         numels: element count of each block's flat vector.
         kinds: the kinds stored (``param`` plus the optimizer's state).
+        state_blocks: the blocks whose optimizer state (every kind but ``param``) is held here;
+            ``None``: every block (no sharding).
     """
 
     tier = "host"
 
-    def __init__(self, numels: list[int], kinds: tuple[str, ...]):
+    def __init__(self, numels: list[int], kinds: tuple[str, ...], state_blocks=None):
         self.numels = list(numels)
         self.kinds = tuple(kinds)
+        self.state_blocks = frozenset(range(len(self.numels)) if state_blocks is None else state_blocks)
+
+    def holds(self, block: int, kind: str) -> bool:
+        """Whether ``kind`` of ``block`` is kept in this store (``param`` always is)."""
+        return kind == "param" or (kind in self.kinds and block in self.state_blocks)
+
+    def _held(self) -> list[tuple[int, str]]:
+        return [(b, k) for b in range(len(self.numels)) for k in self.kinds if self.holds(b, k)]
 
     @property
     def total_bytes(self) -> int:
-        return 4 * sum(self.numels) * len(self.kinds)
+        """Bytes of master weights and optimizer state held here."""
+        return sum(4 * self.numels[b] for b, _ in self._held())
+
+    @property
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state (every kind but ``param``) held here."""
+        return sum(4 * self.numels[b] for b, k in self._held() if k != "param")
 
     def read(self, block: int, kind: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """The flat vector; ``out`` (float32, right size) receives it when given."""
@@ -58,9 +77,12 @@ class StateStore:
         """Replace the stored vector with ``flat`` (a CPU float32 vector)."""
         raise NotImplementedError
 
-    def read_range(self, block: int, kind: str, start: int, count: int) -> torch.Tensor:
-        """Elements ``start .. start + count`` of the vector, as a new CPU tensor."""
-        return self.read(block, kind)[start:start + count].clone()
+    def read_range(self, block: int, kind: str, start: int, count: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements ``start .. start + count`` of the vector, as a new CPU tensor (or into ``out``,
+        a contiguous CPU float32 tensor of ``count`` elements)."""
+        values = self.read(block, kind)[start:start + count]
+        return values.clone() if out is None else out.copy_(values)
 
     def write_range(self, block: int, kind: str, start: int, values: torch.Tensor) -> None:
         """Overwrite elements from ``start`` with ``values``."""
@@ -83,14 +105,15 @@ class HostStore(StateStore):
         numels: element count per block.
         kinds: stored kinds.
         pin: page-lock the tensors (for asynchronous copies to a GPU).
+        state_blocks: blocks whose optimizer state is held (``None``: all).
     """
 
     tier = "host"
 
-    def __init__(self, numels: list[int], kinds: tuple[str, ...], *, pin: bool = False):
-        super().__init__(numels, kinds)
-        self._t = {(b, k): torch.zeros(n, dtype=torch.float32, pin_memory=pin)
-                   for b, n in enumerate(self.numels) for k in self.kinds}
+    def __init__(self, numels: list[int], kinds: tuple[str, ...], *, pin: bool = False, state_blocks=None):
+        super().__init__(numels, kinds, state_blocks)
+        self._t = {(b, k): torch.zeros(self.numels[b], dtype=torch.float32, pin_memory=pin)
+                   for b, k in self._held()}
 
     def read(self, block: int, kind: str, out: torch.Tensor | None = None) -> torch.Tensor:
         t = self._t[(block, kind)]
@@ -163,15 +186,17 @@ class DiskStore(StateStore):
         numels: element count per block.
         kinds: stored kinds.
         directory: the folder; created; checked for room before anything is written.
+        state_blocks: blocks whose optimizer state is held (``None``: all).
     """
 
     tier = "disk"
 
-    def __init__(self, numels: list[int], kinds: tuple[str, ...], directory: str | os.PathLike):
-        super().__init__(numels, kinds)
+    def __init__(self, numels: list[int], kinds: tuple[str, ...], directory: str | os.PathLike, *,
+                 state_blocks=None):
+        super().__init__(numels, kinds, state_blocks)
         self.directory = Path(directory)
         check_offload_dir(self.directory, self.total_bytes)
-        self._paths = {(b, k): self.directory / f"{b:05d}.{k}.f32" for b in range(len(self.numels)) for k in self.kinds}
+        self._paths = {(b, k): self.directory / f"{b:05d}.{k}.f32" for b, k in self._held()}
 
     def read(self, block: int, kind: str, out: torch.Tensor | None = None) -> torch.Tensor:
         n = self.numels[block]
@@ -185,8 +210,10 @@ class DiskStore(StateStore):
                           "offload folder was changed while training")
         return out
 
-    def read_range(self, block: int, kind: str, start: int, count: int) -> torch.Tensor:
-        out = torch.empty(count, dtype=torch.float32)
+    def read_range(self, block: int, kind: str, start: int, count: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            out = torch.empty(count, dtype=torch.float32)
         fd = os.open(self._paths[(block, kind)], os.O_RDONLY)
         try:
             got = os.preadv(fd, [_bytes_view(out)], 4 * start)

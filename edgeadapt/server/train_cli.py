@@ -18,6 +18,11 @@ with the trainer's single-process atomic writer; each rank's CPU random stream i
 with a collective and stored in it. torch.distributed.checkpoint would write identical bytes
 once per rank and offers no atomic switch between complete checkpoints.
 
+With ``--shard-optimizer-state`` (ZeRO-1) no rank holds all of the AdamW state: every rank
+calls the trainer's checkpoint writer, which writes each rank's share with
+torch.distributed.checkpoint into one staged folder that rank 0 publishes (see
+:mod:`edgeadapt.server.checkpoint`); such a run resumes only with the same number of ranks.
+
 The data position is the step number: :mod:`edgeadapt.server.data` sources address batches
 by step, so a resumed run sees exactly the batches an uninterrupted run sees.
 """
@@ -122,12 +127,18 @@ def _has_checkpoint(run_dir: Path) -> bool:
 
 
 def _save_checkpoint(trainer, run_dir: Path, run_config: dict, ctx: DistContext) -> None:
-    """Gathers every rank's RNG state; after a barrier rank 0 writes the checkpoint; barrier."""
+    """Gathers every rank's RNG state; after a barrier rank 0 writes the checkpoint; barrier.
+    With sharded optimizer state every rank writes its share (a collective of the trainer)."""
     rng_states = gather_rng_states()           # a collective: every rank takes part
+    extra = {"run": run_config,
+             "rank_rng_b64": [base64.b64encode(s.numpy().tobytes()).decode() for s in rng_states]}
+    if getattr(trainer, "shards_optimizer_state", False):
+        path = trainer.save_checkpoint(run_dir / CHECKPOINTS, extra=extra)
+        if ctx.is_main:
+            logger.info("checkpoint at step %d: %s", trainer.step_count, path)
+        return
     _barrier(ctx)
     if ctx.is_main:
-        extra = {"run": run_config,
-                 "rank_rng_b64": [base64.b64encode(s.numpy().tobytes()).decode() for s in rng_states]}
         path = trainer.save_checkpoint(run_dir / CHECKPOINTS, extra=extra)
         logger.info("checkpoint at step %d: %s", trainer.step_count, path)
     _barrier(ctx)
@@ -182,6 +193,10 @@ def _residency_text(trainer) -> str:
         return ""
     per_tier = residency.get("tiers", {})
     parts = [f"{tier} {format_bytes(int(b))}" for tier, b in per_tier.items() if isinstance(b, (int, np.integer))]
+    if getattr(trainer, "shards_optimizer_state", False):
+        sh = trainer.sharding
+        parts.append(f"optimizer state {format_bytes(trainer.optimizer_state_bytes)} on rank {sh.rank} "
+                     f"of {sh.world_size} ({len(sh.owned)}/{len(sh.owners)} blocks)")
     return ", ".join(parts)
 
 
@@ -224,7 +239,8 @@ def cmd_train(args: argparse.Namespace, echo=print) -> int:
                       memory_budget=budget, offload=offload, offload_dir=run_dir / "state" / f"rank{ctx.rank}",
                       device=device, recompute={"on": True, "off": False}.get(args.recompute, "auto"),
                       process_group=torch.distributed.group.WORLD if ctx.is_distributed else None,
-                      example_input=source.batch(0)[0])
+                      example_input=source.batch(0)[0],
+                      shard_optimizer_state=bool(getattr(args, "shard_optimizer_state", False)))
         try:
             trainer = (Trainer.resume(run_dir / CHECKPOINTS, model, **kwargs) if args.resume
                        else Trainer(model, **kwargs))
@@ -238,7 +254,8 @@ def cmd_train(args: argparse.Namespace, echo=print) -> int:
         if ctx.is_main:
             echo(f"training {args.model} ({n_params:,} parameters) on {device} x {ctx.world_size} process(es), "
                  f"offload {args.offload}, budget {format_bytes(budget) if budget else 'none'}, "
-                 f"global batch {source.global_batch_size}, steps {trainer.step_count}..{args.steps}")
+                 + ("optimizer state sharded over the ranks (ZeRO-1), " if trainer.shards_optimizer_state else "")
+                 + f"global batch {source.global_batch_size}, steps {trainer.step_count}..{args.steps}")
         try:
             _train_loop(trainer, source, args, run_dir, run_config, spec, ctx, echo)
         finally:

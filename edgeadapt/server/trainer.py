@@ -19,7 +19,10 @@ uses). The trainer takes the model over: with offload its parameters' storage is
 Gradient reduction: before each block's optimizer update the trainer calls
 ``self._reduce(block_name, grads)``, a no-op by default. With ``process_group`` it becomes
 ``edgeadapt.server.distributed.allreduce_gradients(block_name, grads, group=process_group)``,
-which must average ``grads`` in place across the group.
+which must average ``grads`` in place across the group. With ``shard_optimizer_state=True``
+(ZeRO-1, :mod:`edgeadapt.server.zero`) each rank keeps the optimizer state of its own blocks
+only: the hook reduces each block's gradients onto its owner, the owner updates it, and after
+the step every block's owner broadcasts its new weights.
 """
 
 from __future__ import annotations
@@ -105,6 +108,11 @@ class Trainer:
         device: ``"auto"``, ``"cpu"`` or ``"cuda"``.
         recompute: ``False``, ``True`` or ``"auto"`` (recompute only what the budget needs).
         process_group: a ``torch.distributed`` group to average gradients over.
+        shard_optimizer_state: ZeRO-1 (needs ``offload="host"`` or ``"disk"``): each rank of
+            ``process_group`` keeps the optimizer state of, and updates, only the blocks
+            assigned to it (balanced by bytes, :func:`edgeadapt.server.zero.assign_blocks`);
+            the owner broadcasts the updated weights. Every rank still holds all master weights.
+            ``False`` (default): every rank keeps all state and runs every update.
         example_input: one batch (or tuple of inputs) to trace the model; the first
             :meth:`step` batch is used when omitted.
         prefetch_depth: blocks brought in ahead of use (lowered by the planner if needed).
@@ -124,9 +132,13 @@ class Trainer:
                  memory_budget: int | str | None = None, offload: str | None = "host",
                  offload_dir: str | os.PathLike | None = None, device: str = "auto",
                  recompute: bool | str = False, process_group=None, example_input=None, prefetch_depth: int = 1,
-                 update_chunk_numel: int = 1 << 18, malloc_mmap_threshold_bytes: int | None = 1 << 18):
+                 update_chunk_numel: int = 1 << 18, malloc_mmap_threshold_bytes: int | None = 1 << 18,
+                 shard_optimizer_state: bool = False):
         if offload not in ("host", "disk", None):
             raise ValueError(f"offload must be 'host', 'disk' or None, got {offload!r}")
+        if shard_optimizer_state and offload is None:
+            raise ValueError("shard_optimizer_state=True (ZeRO-1) shards the streaming trainer's optimizer state: "
+                             "use offload='host' or 'disk' (--offload host|disk)")
         if recompute not in (False, True, "auto"):
             raise ValueError(f"recompute must be False, True or 'auto', got {recompute!r}")
         if offload == "disk" and offload_dir is None:
@@ -148,7 +160,8 @@ class Trainer:
         self.step_count = 0
         self.checkpoint_extra: dict = {}
         self._reduce: Callable[[str, list[torch.Tensor]], None] = lambda name, grads: None
-        if process_group is not None:
+        self.sharding = None  # ZeRO-1: set up below, once the blocks are known
+        if process_group is not None and not shard_optimizer_state:
             from .distributed import allreduce_gradients
 
             self._reduce = lambda name, grads: allreduce_gradients(name, grads, group=process_group)
@@ -191,16 +204,26 @@ class Trainer:
         else:
             numels = [sum(p.numel() for p in b.parameters()) for b in self.blocks]
             kinds = ("param", *self.spec.state_kinds)
+            owned = None
+            if shard_optimizer_state:
+                from .zero import OptimizerSharding
+
+                self.sharding = OptimizerSharding([b.name for b in self.blocks], [4 * n for n in numels],
+                                                  group=process_group)
+                self._reduce = self.sharding.reduce
+                owned = self.sharding.owned
+                log.info("ZeRO-1: rank %d of %d keeps the optimizer state of %d of %d blocks",
+                         self.sharding.rank, self.sharding.world_size, len(owned), len(self.blocks))
             if offload == "disk":
-                self.store = DiskStore(numels, kinds, offload_dir)
+                self.store = DiskStore(numels, kinds, offload_dir, state_blocks=owned)
             else:
-                self.store = HostStore(numels, kinds, pin=self.device.type == "cuda")
+                self.store = HostStore(numels, kinds, pin=self.device.type == "cuda", state_blocks=owned)
             if self._graph is not None:
                 self._plan_for(int(_tensors(example_input)[0].shape[0]))
             self.executor = StreamingExecutor(self.blocks, self.store, self.ledger, self.device,
                                               self._plans.get(self._first_batch(), None) or self._default_plan(),
                                               self.spec, reduce=lambda name, grads: self._reduce(name, grads),
-                                              chunk_numel=self.chunk_numel)
+                                              chunk_numel=self.chunk_numel, owned=owned)
             self.executor.load_weights(dict(model.named_parameters()))
             self.executor.install()
             for mod in model.modules():
@@ -303,6 +326,8 @@ class Trainer:
                 # the backward freed what the ops outside the blocks saved; then the root block's update
                 self.ledger.release("activations:outside")
                 ex.update_resident()
+                if self.sharding is not None:  # ZeRO-1: owners send the updated weights
+                    self.sharding.broadcast_weights(ex)
             if ex is None:
                 for b in self.blocks:
                     grads = [p.grad for p in b.parameters() if p.grad is not None]
@@ -353,13 +378,27 @@ class Trainer:
         """The most bytes the trainer held in the compute tier at once."""
         return self.ledger.peak_bytes
 
+    @property
+    def shards_optimizer_state(self) -> bool:
+        """Whether this trainer keeps only its own blocks' optimizer state (ZeRO-1)."""
+        return self.sharding is not None
+
+    @property
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state (AdamW moments) this process holds, in whatever tier; with
+        ``shard_optimizer_state`` about ``1 / world_size`` of the whole."""
+        if self.executor is None:
+            return sum(4 * p.numel() for p in self._model.parameters()) * len(self.spec.state_kinds)
+        return self.store.optimizer_state_bytes
+
     def residency(self) -> dict:
-        """Block states and bytes per tier.
+        """Block states, bytes per tier and the optimizer state held by this process.
 
         Returns:
             ``{"blocks": {block: "resident"|"inflight"|"offloaded"}, "tiers": {"compute": bytes,
-            "host": bytes, "disk": bytes}}`` — compute: what the ledger holds now; host/disk:
-            master weights and optimizer state kept there.
+            "host": bytes, "disk": bytes}, "optimizer_state_bytes": bytes}`` — compute: what the
+            ledger holds now; host/disk: master weights and optimizer state kept there (with
+            ``shard_optimizer_state``, only this rank's share of the optimizer state).
         """
         if self.executor is None:
             blocks = {b.name: Residency.RESIDENT.value for b in self.blocks}
@@ -368,12 +407,13 @@ class Trainer:
             blocks = {s.name: s.state.value for s in self.executor.slots}
             tiers = {"compute": self.ledger.current_bytes, "host": 0, "disk": 0}
             tiers[self.store.tier] = self.store.total_bytes
-        return {"blocks": blocks, "tiers": tiers}
+        return {"blocks": blocks, "tiers": tiers, "optimizer_state_bytes": self.optimizer_state_bytes}
 
     # ---- state ------------------------------------------------------------------------
     def block_state(self, index: int) -> dict[str, dict[str, torch.Tensor]]:
         """``{kind: {param name: CPU tensor}}`` for block ``index`` (kinds: param + optimizer state),
-        plus ``"steps": {param name: tensor(int)}``."""
+        plus ``"steps": {param name: tensor(int)}``. With ``shard_optimizer_state`` a block another
+        rank owns has ``param`` and ``steps`` only."""
         b = self.blocks[index]
         out: dict[str, dict[str, torch.Tensor]] = {}
         if self.executor is None:
@@ -388,13 +428,15 @@ class Trainer:
             return out
         slot = self.executor.slots[index]
         for k in ("param", *self.spec.state_kinds):
+            if not self.store.holds(index, k):
+                continue
             flat = self.store.read(index, k).clone()
             out[k] = {n: v.clone() for n, v in zip(b.param_names, slot.views(flat))}
         out["steps"] = {n: torch.tensor(s) for n, s in zip(b.param_names, slot.steps)}
         return out
 
     def set_block_state(self, index: int, state: dict[str, dict[str, torch.Tensor]]) -> None:
-        """Inverse of :meth:`block_state`."""
+        """Inverse of :meth:`block_state` (optimizer state of a block another rank owns is skipped)."""
         b = self.blocks[index]
         if self.executor is None:
             params = dict(zip(b.param_names, b.parameters()))
@@ -410,6 +452,8 @@ class Trainer:
             return
         slot = self.executor.slots[index]
         for k in ("param", *self.spec.state_kinds):
+            if not self.store.holds(index, k):
+                continue
             flat = torch.empty(slot.numel, dtype=torch.float32)
             for n, v in zip(b.param_names, slot.views(flat)):
                 v.copy_(state[k][n])
@@ -430,7 +474,8 @@ class Trainer:
             if not b.resident:
                 m.get_submodule(b.name).__dict__.pop("forward", None)
         for i, b in enumerate(self.blocks):
-            st = self.block_state(i)["param"]
+            slot = self.executor.slots[i]
+            st = dict(zip(b.param_names, (v.clone() for v in slot.views(self.store.read(i, "param")))))
             for full, t in st.items():
                 owner, _, leaf = full.rpartition(".")
                 m.get_submodule(owner)._parameters[leaf] = nn.Parameter(t)
@@ -445,7 +490,15 @@ class Trainer:
                 "optimizer": self.spec.to_dict(), "loss": self.loss_name}
 
     def state_dict(self) -> dict:
-        """The full resumable state (weights, optimizer state, buffers, step, RNG) as CPU tensors."""
+        """The full resumable state (weights, optimizer state, buffers, step, RNG) as CPU tensors.
+
+        Raises:
+            ValueError: with ``shard_optimizer_state`` (this process holds part of the optimizer
+                state; use :meth:`save_checkpoint`, which writes every rank's share).
+        """
+        if self.sharding is not None:
+            raise ValueError("state_dict() holds the whole optimizer state, which a ZeRO-1 rank does not have; "
+                             "use save_checkpoint(dir) (every rank calls it; each writes its share)")
         sd = {"signature": self.signature(), "step": self.step_count, "buffers": self.buffers(),
               "rng": _ckpt.rng_state(), "blocks": [self.block_state(i) for i in range(len(self.blocks))],
               "lr": self.lr}
@@ -469,7 +522,12 @@ class Trainer:
     def save_checkpoint(self, directory: str | os.PathLike, *, extra: dict | None = None, keep: int = 2) -> Path:
         """Write a resumable checkpoint under ``directory`` atomically (see
         :mod:`edgeadapt.server.checkpoint`); ``extra`` (JSON) is restored as
-        :attr:`checkpoint_extra` (e.g. the data position). Returns the checkpoint's folder."""
+        :attr:`checkpoint_extra` (e.g. the data position). Returns the checkpoint's folder.
+
+        With ``shard_optimizer_state`` this is a collective: every rank calls it, each writes its
+        blocks with torch.distributed.checkpoint, rank 0 publishes (rank 0's ``extra`` is kept)."""
+        if self.sharding is not None:
+            return _ckpt.save_sharded(self, Path(directory), extra=extra or {}, keep=keep)
         return _ckpt.save(self, Path(directory), extra=extra or {}, keep=keep)
 
     @classmethod
