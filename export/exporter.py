@@ -21,14 +21,16 @@ from torch import nn
 from ..atomic import staged_directory
 from ..bundle import Manifest, TensorSpec, sha256_file, write_manifest
 from ..onnx_guard import stamp_contract
+from ..sched import predict, verify
+from ..sched.ir import Graph
+from ..sched.plan import Action, Plan, parse_bytes
+from ..sched.policy import UpdatePolicy
 from ..versions import package_versions
 from .graph import MAX_IR_VERSION, UnsupportedOpError, module_of_node, to_onnx, unsupported_from_ort_error
 from .objectives import LOSSES, OptimizerConfig, loss_block, optimizer_block, use_torch_adamw
-from ..sched.policy import UpdatePolicy
-from ..sched.plan import parse_bytes
-from .planning import check_entries, cut_model, manifest_plan, plan_export, policy_of_plan, recompute_node_names
+from .planning import check_entries, cut_model, manifest_plan, node_groups, plan_export, policy_of_plan
 from .prepare import channel_masks, prepare_from_plan, prepare_model
-from .selfcheck import choose_session
+from .selfcheck import SelfCheckError, choose_session
 
 __all__ = ["export_bundle", "REWRITE_TOLERANCE"]
 
@@ -100,18 +102,70 @@ def _generate(model_proto: onnx.ModelProto, entries, loss: str, opt: OptimizerCo
         raise unsupported from None
 
 
-def _bake_recompute(training_path: Path, node_names: list[str]) -> list[str]:
-    """Duplicate the plan's recomputed forward nodes in front of their backward readers."""
-    if not node_names:
-        return []
-    from .recompute import recompute_nodes
+def _keep(graph: Graph, plan: Plan, ops: set[str]) -> Plan:
+    """``plan`` with the saved tensors of ``ops`` kept instead of recomputed, its peak predicted
+    again (unchanged when ``ops`` is empty)."""
+    if not ops:
+        return plan
+    plan = replace(plan, activations=tuple((n, Action.KEEP if n in ops else a) for n, a in plan.activations))
+    return replace(plan, predicted=predict(graph, plan))
+
+
+def _verify_budget(graph: Graph, plan: Plan) -> None:
+    """Raise :class:`edgeadapt.sched.BudgetExceeded` when ``plan`` does not fit its budget."""
+    if plan.budget_bytes is not None:
+        verify(graph, plan, plan.budget_bytes)
+
+
+def _bake_recompute(training_path: Path, model_proto: onnx.ModelProto, graph: Graph, plan: Plan) -> tuple[Plan, list[str]]:
+    """Rebuild the saved tensors of the plan's recomputed ops in the backward of the training graph.
+
+    The saved tensors are found in the graph ONNX Runtime trains (its artifact generator fuses
+    nodes of the exported model, see :mod:`.recompute`), by the op of the exported model that
+    produces them; consecutive recomputed ops form one run, rebuilt together.
+
+    Returns:
+        The plan carried out and the rebuilt tensors. An op whose tensors cannot be rebuilt (it
+        would run a node twice that updates state or draws random numbers) is kept instead, with
+        a warning; the plan is then predicted again and verified against its budget.
+
+    Raises:
+        edgeadapt.sched.BudgetExceeded: keeping such an op breaks the plan's budget.
+    """
+    from .recompute import recompute_tensors, saved_tensors_by_op, unrecomputable
 
     model = onnx.load(training_path)
-    done = recompute_nodes(model, node_names)
+    tensor_ops = {t: op for op, nodes in node_groups(model_proto, graph).items() for n in nodes for t in n.output if t}
+    order = [op.name for op in graph.ops]
+    saved = saved_tensors_by_op(model, tensor_ops, order)
+    recomputed = set(plan.recomputed)
+    for name in sorted(recomputed - saved.keys(), key=order.index):
+        log.info("recompute: %s keeps nothing in the training graph (its saved tensors are graph inputs or "
+                 "internal to a node ONNX Runtime fused); nothing to rebuild", name)
+    while True:
+        runs: list[list[str]] = [[]]
+        for op in graph.ops:  # a kept op with saved tensors ends a run
+            if op.name in saved:
+                if op.name in recomputed:
+                    runs[-1].extend(saved[op.name])
+                elif runs[-1]:
+                    runs.append([])
+        blocked = unrecomputable(model, runs)
+        if not blocked:
+            break
+        owners = {op for op, tensors in saved.items() if blocked.keys() & set(tensors)}
+        log.warning("recompute: keeping %s: rebuilding %s would run %s twice (state update or random draw)",
+                    sorted(owners), sorted(blocked), sorted(set(blocked.values())))
+        recomputed -= owners
+    if recomputed != set(plan.recomputed):
+        plan = _keep(graph, plan, set(plan.recomputed) - recomputed)
+        _verify_budget(graph, plan)
+    done = recompute_tensors(model, runs)
     if done:
         onnx.save(model, training_path)
-    log.info("recompute: %d of %d nodes of recomputed ops duplicated in the training graph", len(done), len(node_names))
-    return done
+    log.info("recompute: %d saved tensors of %d ops rebuilt in the backward of the training graph",
+             len(done), len(recomputed & saved.keys()))
+    return plan, done
 
 
 def _draft_manifest(stage: Path, entries, loss: str, opt: OptimizerConfig, batchnorm: str, label,
@@ -179,7 +233,11 @@ def export_bundle(
     The manifest records the plan (``plan``, with ``predicted_peak_bytes``: the predicted peak of
     a whole ``adapt`` call over ``n_windows`` windows) and the graph IR of the model (``graph``).
     When the plan caches the frozen prefix's features, the bundle holds ``prefix_model.onnx``
-    (``input`` -> ``features``) and its training and eval models take ``features``.
+    (``input`` -> ``features``) and its training and eval models take ``features``. The plan's
+    recomputed activations are rebuilt in the training graph's backward (:mod:`.recompute`);
+    where ONNX Runtime cannot carry that out (a rebuild would rerun a state update, or its
+    training step with the rebuilt tensors stops reproducing torch), those activations are kept,
+    with a warning, and the plan is verified against the budget again.
 
     Raises:
         UnsupportedOpError: an op cannot be exported or differentiated (names op and module).
@@ -239,8 +297,11 @@ def export_bundle(
         opt_model = onnx.load(opt_path)
         if use_torch_adamw(opt_model):
             onnx.save(opt_model, opt_path)
-        recomputed = [] if plan is None else _bake_recompute(stage / "training_model.onnx",
-                                                             recompute_node_names(model_proto, graph, plan))
+        training_path = stage / "training_model.onnx"
+        plain_training, recomputed = b"", []
+        if plan is not None and plan.recomputed:
+            plain_training = training_path.read_bytes()
+            plan, recomputed = _bake_recompute(training_path, model_proto, graph, plan)
         for f in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", *([PREFIX_FILE] if split else [])):
             ir = onnx.load(stage / f, load_external_data=False).ir_version
             if ir > MAX_IR_VERSION:
@@ -250,14 +311,33 @@ def export_bundle(
                 )
         np.savez(stage / "masks.npz", **channel_masks(entries, prepared.trained_channels))
         if label is not None:  # ORT's loss blocks name their label input ("labels" or "target"): record theirs
-            train_inputs = onnx.load(stage / "training_model.onnx", load_external_data=False).graph.input
+            train_inputs = onnx.load(training_path, load_external_data=False).graph.input
             label = {**label, "name": train_inputs[1].name}
-        draft = _draft_manifest(stage, entries, loss, opt, batchnorm, label, example_input, output, policy,
-                                plan=None if plan is None else manifest_plan(plan),
-                                graph=None if graph is None else graph.to_dict())
-        if recomputed:  # ORT's common subexpression elimination would merge the copies back
-            draft = replace(draft, session={**draft.session, "disable_cse": True})
-        session = choose_session(stage, draft, prepared.module, prepared.entries, example_input.numpy())
+
+        def draft_for(plan: Plan | None, recomputed: bool) -> Manifest:
+            draft = _draft_manifest(stage, entries, loss, opt, batchnorm, label, example_input, output, policy,
+                                    plan=None if plan is None else manifest_plan(plan),
+                                    graph=None if graph is None else graph.to_dict())
+            if recomputed:  # ORT's common subexpression elimination would merge the copies back
+                draft = replace(draft, session={**draft.session, "disable_cse": True})
+            return draft
+
+        draft = draft_for(plan, bool(recomputed))
+        try:
+            session = choose_session(stage, draft, prepared.module, prepared.entries, example_input.numpy())
+        except SelfCheckError as e:
+            if not recomputed:
+                raise
+            # ONNX Runtime miscomputes some rewritten graphs (a grouped ConvGrad overwrites a
+            # gradient buffer another branch still reads, depending on the execution order). The
+            # graph without the copies is checked first: if it fails too, the model is the cause.
+            training_path.write_bytes(plain_training)
+            plan = _keep(graph, plan, set(plan.recomputed))
+            draft = draft_for(plan, False)
+            session = choose_session(stage, draft, prepared.module, prepared.entries, example_input.numpy())
+            log.warning("recompute: ONNX Runtime's training step with the rebuilt tensors does not reproduce "
+                        "torch, without them it does; exporting without recompute (%s)", str(e).splitlines()[0])
+            _verify_budget(graph, plan)
         manifest = replace(draft, session=session)
         manifest = stamp_contract(stage, manifest)  # last: the graphs record the final settings
         write_manifest(stage, manifest)

@@ -31,7 +31,7 @@ from .prepare import prepare_model
 from .split import CutError, SplitModel, split_model
 
 __all__ = ["PlannedExport", "plan_export", "policy_of_plan", "cut_model", "manifest_plan", "node_groups", "cut_tensor",
-           "recompute_node_names", "model_graph", "clean_cut_before", "check_entries"]
+           "model_graph", "clean_cut_before", "check_entries"]
 
 log = logging.getLogger(__name__)
 
@@ -175,14 +175,6 @@ def cut_tensor(model_proto: onnx.ModelProto, graph: Graph, cut: int) -> str:
         raise CutError(f"{len(crossing)} tensors cross the cut after op {graph.ops[cut].name!r} "
                        f"({crossing[:4]}); the prefix must hand exactly one tensor to the rest")
     return crossing[0]
-
-
-def recompute_node_names(model_proto: onnx.ModelProto, graph: Graph, plan: Plan) -> list[str]:
-    """The ONNX node names of the ops the plan recomputes (every node of each such op)."""
-    if not plan.recomputed:
-        return []
-    groups = node_groups(model_proto, graph)
-    return [n.name for op in plan.recomputed for n in groups[op]]
 
 
 def _trained_initializers(entries: tuple[ParameterEntry, ...]) -> list[str]:

@@ -93,6 +93,48 @@ def make_transformer(seed: int = 0, n_channels: int = 4, n_classes: int = 3, dim
     return as_if_pretrained(Encoder()).eval()
 
 
+def make_fusible(seed: int = 0, n_channels: int = 4, n_classes: int = 3, dim: int = 16):
+    """Patterns ONNX Runtime's artifact generator fuses or rewrites: a LayerNorm written with
+    ``Pow`` (-> ``LayerNormalization``), an erf GELU (-> ``Gelu``) after a 2-D Linear (``Gemm``),
+    a tanh GELU (kept as elementary ops), ``q @ k^T`` with softmax, residual adds."""
+    import torch
+    from torch import nn
+
+    class PowLayerNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(0.5 + torch.rand(dim))  # trained-like values, not ones and zeros
+            self.bias = nn.Parameter(0.4 * torch.rand(dim) - 0.2)
+
+        def forward(self, x):
+            mu = x.mean(-1, keepdim=True)
+            var = (x - mu).pow(2).mean(-1, keepdim=True)
+            return (x - mu) / torch.sqrt(var + 1e-5) * self.weight + self.bias
+
+    class Fusible(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Conv1d(n_channels, dim, 4, stride=4)
+            self.norm = PowLayerNorm()
+            self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+            self.fc1 = nn.Linear(dim, 2 * dim)
+            self.act = nn.GELU(approximate="tanh")
+            self.fc2 = nn.Linear(2 * dim, dim)
+            self.pool_fc = nn.Linear(dim, dim)
+            self.pool_act = nn.GELU()
+            self.head = nn.Linear(dim, n_classes)
+
+        def forward(self, x):
+            t = self.norm(self.embed(x).transpose(1, 2))
+            att = torch.softmax(self.q(t) @ self.k(t).transpose(-1, -2) / math.sqrt(dim), dim=-1)
+            t = t + att @ self.v(t)
+            t = t + self.fc2(self.act(self.fc1(t)))
+            return self.head(self.pool_act(self.pool_fc(t.mean(1))))
+
+    torch.manual_seed(seed)
+    return as_if_pretrained(Fusible()).eval()
+
+
 def make_data(rng: np.random.Generator, n: int = 24, n_channels: int = 4, length: int = 16, n_classes: int = 3):
     X = rng.standard_normal((n, n_channels, length)).astype(np.float32)
     y = rng.integers(0, n_classes, n).astype(np.int64)
