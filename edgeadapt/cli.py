@@ -100,7 +100,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     policy = UpdatePolicy.parse(args.policy) if args.policy else None
     manifest = export_bundle(model, example, args.out, policy=policy, loss=args.loss, optimizer=opt,
                              batchnorm=args.batchnorm, memory_budget=args.memory_budget, n_windows=args.n_windows,
-                             batch_windows=args.batch_windows)
+                             batch_windows=args.batch_windows, recompute=args.recompute)
     print(f"exported {args.out}: {manifest.trainable_numel:,} of {manifest.total_numel:,} parameter elements train")
     predicted = (manifest.plan or {}).get("predicted_peak_bytes")
     if predicted is not None:
@@ -306,6 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "policy is checked against it, without one the planner picks what trains")
     p.add_argument("--n-windows", type=int, default=128, help="adaptation windows the plan is made for (default 128)")
     p.add_argument("--batch-windows", type=int, default=32, help="windows per optimizer step the plan is made for")
+    p.add_argument("--recompute", action="store_true",
+                   help="with --memory-budget, let the planner recompute activations in the backward (off by "
+                        "default: ONNX Runtime's buffer reuse often keeps the memory it would save)")
     p.add_argument("--loss", default="cross_entropy", choices=LOSSES)
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     p.add_argument("--lr", type=float, default=1e-3, help="default learning rate stored in the bundle")

@@ -26,7 +26,8 @@ from ..sched.ir import Graph
 from ..sched.plan import Action, Plan, parse_bytes
 from ..sched.policy import UpdatePolicy
 from ..versions import package_versions
-from .graph import MAX_IR_VERSION, UnsupportedOpError, module_of_node, to_onnx, unsupported_from_ort_error
+from .graph import (MAX_IR_VERSION, UnsupportedOpError, check_grouped_conv_grads, module_of_node, to_onnx,
+                    unsupported_from_ort_error)
 from .objectives import LOSSES, OptimizerConfig, loss_block, optimizer_block, use_torch_adamw
 from .planning import check_entries, cut_model, manifest_plan, node_groups, plan_export, policy_of_plan
 from .prepare import channel_masks, prepare_from_plan, prepare_model
@@ -202,6 +203,7 @@ def export_bundle(
     batch_windows: int = 32,
     importance: dict[str, float] | None = None,
     cache_features: bool | None = None,
+    recompute: bool = False,
 ) -> Manifest:
     """Export ``model`` to an on-device training bundle at ``out_dir``.
 
@@ -226,6 +228,11 @@ def export_bundle(
         cache_features: without a budget, force (True) or forbid (False) running the frozen
             prefix once per ``adapt`` call with its features cached; ``None``: when the
             predicted peak is lower.
+        recompute: with a budget, let the planner recompute saved activations in the backward
+            instead of keeping them. Off by default: measured with ONNX Runtime 1.19.2, the
+            recomputed graph keeps fewer bytes for the backward but ONNX Runtime's buffer reuse
+            often holds the freed buffers anyway, so the step's peak did not reliably fall
+            (docs/scheduler.md).
 
     Returns:
         The manifest written into the bundle.
@@ -265,7 +272,7 @@ def export_bundle(
 
     planned = plan_export(model, example_input, policy=given_policy, budget_bytes=budget_bytes, batchnorm=batchnorm,
                           optimizer=opt.name, n_windows=n_windows, batch_windows=batch_windows, importance=importance,
-                          cache_features=cache_features, loss=loss)
+                          cache_features=cache_features, loss=loss, recompute=recompute)
     plan, graph = planned.plan, planned.graph
     policy = given_policy
     if plan is None:  # no graph IR for this model: the policy as given, no plan recorded
@@ -293,6 +300,7 @@ def export_bundle(
         if split is not None:
             onnx.save(split.prefix, stage / PREFIX_FILE)
         _generate(model_proto if split is None else split.suffix, entries, loss, opt, stage)
+        check_grouped_conv_grads(onnx.load(stage / "training_model.onnx", load_external_data=False))
         opt_path = stage / "optimizer_model.onnx"
         opt_model = onnx.load(opt_path)
         if use_torch_adamw(opt_model):

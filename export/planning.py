@@ -87,13 +87,13 @@ def _choose_cache(graph: Graph, plan: Plan, cache_features: bool | None) -> Plan
 def plan_export(model: nn.Module, example_input: torch.Tensor, *, policy: UpdatePolicy | None,
                 budget_bytes: int | None, batchnorm: str, optimizer: str, n_windows: int, batch_windows: int,
                 importance: dict[str, float] | None = None, cache_features: bool | None = None,
-                loss: str = "cross_entropy") -> PlannedExport:
+                loss: str = "cross_entropy", recompute: bool = False) -> PlannedExport:
     """Build the graph IR and make the plan (see the module docstring).
 
     * no budget: the policy (default: the head) resolved; the prefix's features are cached when
       that lowers the predicted peak (``cache_features`` True/False forces the choice);
     * a budget and a policy: the best plan for that policy under the budget (micro-batch, cut,
-      recompute), refused when none fits;
+      and recompute when ``recompute``), refused when none fits;
     * a budget and no policy: the planner picks what trains.
 
     Raises:
@@ -117,7 +117,7 @@ def plan_export(model: nn.Module, example_input: torch.Tensor, *, policy: Update
                                             **({"loss": loss} if loss in ("cross_entropy", "mse") else {}))
         plan = plan_for_budget(graph, budget_bytes, importance=importance, n_windows=n_windows,
                                      batch_windows=batch_windows, optimizer=optimizer, policy=policy,
-                                     weights=weights)
+                                     weights=weights, allow_remat=recompute)
         verify(graph, plan, budget_bytes)
     if plan.predicted is None:
         plan = replace(plan, predicted=predict(graph, plan))
