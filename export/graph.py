@@ -14,6 +14,7 @@ An op that the exporter or ONNX Runtime's gradient builder cannot handle raises
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import math
@@ -29,6 +30,7 @@ from torch import nn
 from ..bundle import ParameterEntry
 
 __all__ = ["UnsupportedOpError", "OPSET", "MAX_IR_VERSION", "to_onnx", "module_of_node", "split_names",
+           "check_grouped_conv_grads",
            "unsupported_from_ort_error"]
 
 log = logging.getLogger(__name__)
@@ -561,6 +563,24 @@ def _nearest_resize(rw: _Rewriter, node: onnx.NodeProto) -> list[onnx.NodeProto]
     return _gathers(rw, node, x, per_axis)
 
 
+#: Op types ONNX Runtime 1.19.2 has no gradient for (none registered, or no CPU kernel for it),
+#: left after :func:`_fit_for_ort_gradients`: a trained parameter whose gradient flows through
+#: one fails the export. Checked against onnxruntime-training 1.19.2 (artifact generation on a
+#: MatMul followed by the op). Resize is left only where the rewrite does not apply (linear,
+#: cubic, non-integer factors): no ResizeGrad CPU kernel. The graph IR marks ops holding one as
+#: not differentiable (:func:`lacks_gradient`), and the planner trains nothing upstream of them.
+NO_GRADIENT_OPS = frozenset({
+    "CumSum", "Resize", "Round", "Floor", "Ceil", "Sign", "Mod", "Einsum", "Det", "Hardmax",
+    "LpNormalization", "PRelu", "Selu", "Celu", "ThresholdedRelu", "Softsign",
+    "Tan", "Asin", "Acos", "Atan", "Sinh", "Cosh",
+})
+
+
+def lacks_gradient(node: onnx.NodeProto) -> bool:
+    """Whether ONNX Runtime cannot propagate a gradient through ``node`` (after the rewrites)."""
+    return node.op_type in NO_GRADIENT_OPS
+
+
 #: (op type, rewrite) applied in this order by :func:`_fit_for_ort_gradients`.
 _OP_REWRITES = (
     ("Elu", _elu), ("Softplus", _softplus), ("HardSigmoid", _hard_sigmoid), ("HardSwish", _hard_swish),
@@ -576,10 +596,9 @@ def _fit_for_ort_gradients(model: onnx.ModelProto) -> None:
     * AveragePool: see :func:`_average_pools_as_convs` (runs first; yields grouped Convs).
     * InstanceNormalization (GroupNorm, InstanceNorm): no gradient registered; see
       :func:`_instance_norms_decomposed`.
-    * Grouped Conv (``group > 1``, e.g. depthwise): its ConvGrad kernel overwrites the incoming
-      output-gradient buffer. When that buffer is shared (the conv feeds a residual Add, or has
-      several consumers) the other branch receives garbage. A ``Mul`` by a ones tensor after the
-      conv gives the ConvGrad a private gradient buffer; forward values are unchanged.
+    * Grouped 1-D Conv (``group > 1``, e.g. depthwise ``Conv1d``): ConvGrad writes past the end of
+      its input gradient; the same convolution as a 2-D one, see :func:`_grouped_conv_as_2d`.
+      (Grouped 3-D convs stay: :func:`check_grouped_conv_grads` refuses their gradient.)
     * LayerNormalization exported with only ``Y``: the gradient builder needs the optional
       ``Mean`` and ``InvStdDev`` outputs, so they are declared.
     * Elu, Softplus, HardSigmoid, HardSwish (no gradient): the same arithmetic in differentiable
@@ -593,8 +612,10 @@ def _fit_for_ort_gradients(model: onnx.ModelProto) -> None:
     * Resize, nearest, integer factors (``interpolate``; no ResizeGrad kernel): a Gather of the
       source indices, see :func:`_nearest_resize`.
 
-    What stays unsupported (CumSum, linear Resize, ...) is reported by the artifact generation or
-    the export self-check as :class:`UnsupportedOpError` naming the op and module.
+    What stays unsupported (CumSum, linear Resize, ...; :data:`NO_GRADIENT_OPS`) is reported by
+    the artifact generation or the export self-check as :class:`UnsupportedOpError` naming the op
+    and module; under a memory budget without a policy the planner avoids it (the graph IR marks
+    those ops not differentiable).
     """
     _average_pools_as_convs(model)
     _instance_norms_decomposed(model)
@@ -607,16 +628,70 @@ def _fit_for_ort_gradients(model: onnx.ModelProto) -> None:
         nodes.append(node)
         if node.op_type == "LayerNormalization" and len(node.output) == 1:
             node.output.extend([f"{node.output[0]}__mean", f"{node.output[0]}__inv_std"])
-        group = next((a.i for a in node.attribute if a.name == "group"), 1)
-        if node.op_type == "Conv" and group > 1:
-            out = node.output[0]
-            raw, ones = f"{out}__grouped_conv", f"{out}__ones"
-            node.output[0] = raw
-            rank = _conv_rank(model, node)
-            model.graph.initializer.append(numpy_helper.from_array(np.ones([1] * rank, dtype=np.float32), ones))
-            nodes.append(onnx.helper.make_node("Mul", [raw, ones], [out], name=f"{node.name}_private_grad"))
+        if node.op_type == "Conv" and _attr(node, "group", 1) > 1 and _conv_rank(model, node) == 3:
+            nodes[-1:] = _grouped_conv_as_2d(model, node)
     del model.graph.node[:]
     model.graph.node.extend(nodes)
+
+
+def _grouped_conv_as_2d(model: onnx.ModelProto, node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """A grouped 1-D Conv as the same 2-D Conv over a height-1 image: ``Unsqueeze`` of input and
+    weight at axis 2, ``Conv`` with kernel ``(1, k)``, ``Squeeze`` back (same output name).
+
+    ONNX Runtime 1.19.2's CPU ConvGrad, for any kernel rank but 2, clears the input gradient of
+    each (image, group) with ``Col2imNd`` over ``C * L`` elements from the group's offset instead
+    of ``C / group * L``: for the last image it writes ``(C - C / group) * L`` zeros past the end of
+    the input-gradient tensor, into whatever ONNX Runtime placed there (another gradient, a saved
+    activation, heap metadata: wrong gradients or a crashed process). The 2-D path clears only the
+    group's own channels. Forward values and gradients are the same arithmetic.
+    """
+    out, name = node.output[0], node.name
+    axis = f"{out}__axis_h"
+    model.graph.initializer.append(numpy_helper.from_array(np.array([2], dtype=np.int64), axis))
+    kernel = list(_attr(node, "kernel_shape", []))
+    pads = list(_attr(node, "pads", [0, 0]))
+    attrs = {"group": _attr(node, "group", 1), "kernel_shape": [1, *kernel],
+             "strides": [1, *_attr(node, "strides", [1])], "dilations": [1, *_attr(node, "dilations", [1])]}
+    auto_pad = _attr(node, "auto_pad", b"NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    if auto_pad == "NOTSET":
+        attrs["pads"] = [0, pads[0], 0, pads[1]]
+    else:  # SAME_* / VALID pad nothing on a height-1 axis with a height-1 kernel
+        attrs["auto_pad"] = auto_pad
+    x, w = f"{out}__x_h", f"{out}__w_h"
+    return [
+        onnx.helper.make_node("Unsqueeze", [node.input[0], axis], [x], name=f"{name}_x_as_2d"),
+        onnx.helper.make_node("Unsqueeze", [node.input[1], axis], [w], name=f"{name}_w_as_2d"),
+        onnx.helper.make_node("Conv", [x, w, *node.input[2:]], [f"{out}__2d"], name=name, **attrs),
+        onnx.helper.make_node("Squeeze", [f"{out}__2d", axis], [out], name=f"{name}_as_1d"),
+    ]
+
+
+def check_grouped_conv_grads(training: onnx.ModelProto) -> None:
+    """Refuse a training graph with a grouped ConvGrad of kernel rank other than 2 that computes
+    its input gradient: ONNX Runtime 1.19.2 writes past that tensor's end (see
+    :func:`_grouped_conv_as_2d`), which corrupts other tensors or the heap before any check could
+    run. 1-D convs were rewritten as 2-D ones; a grouped 3-D conv is what remains.
+
+    Raises:
+        UnsupportedOpError: naming the op and the modules of the forward Conv(s).
+    """
+    forward = {n.name: n for n in training.graph.node if n.op_type == "Conv"}
+    modules, ranks = set(), set()
+    for node in training.graph.node:
+        if node.op_type != "ConvGrad" or _attr(node, "group", 1) <= 1 or not node.output or not node.output[0]:
+            continue
+        name = node.name.split("_Grad/")[0]
+        kernel = _attr(node, "kernel_shape", None) or _attr(forward.get(name, node), "kernel_shape", None)
+        if kernel is None or len(kernel) != 2:
+            modules.add(module_of_node(name))
+            ranks.add("?" if kernel is None else str(len(kernel)))
+    if modules:
+        raise UnsupportedOpError(
+            "Conv", sorted(modules),
+            f"ONNX Runtime 1.19.2's ConvGrad writes past the end of the input gradient of a grouped convolution "
+            f"with a {'/'.join(sorted(ranks))}-D kernel (Conv3d with groups > 1, 3-D average pooling; the exporter "
+            "writes grouped 1-D convs as 2-D ones, the only safe rank)")
 
 
 def _conv_rank(model: onnx.ModelProto, node: onnx.NodeProto) -> int:
@@ -636,6 +711,42 @@ def _rename(model: onnx.ModelProto, old: str, new: str) -> None:
                 node.input[k] = new
 
 
+@torch.onnx.symbolic_helper.parse_args("v", "f", "f")
+def _hardtanh_symbolic(g, x, lo: float, hi: float):
+    """``hardtanh`` / ``relu6`` (``nn.ReLU6``, ``nn.Hardtanh``) with torch's gradient.
+
+    torch's backward passes the gradient only where ``lo < x < hi``; ONNX Runtime's Clip gradient
+    also passes it at ``x == lo`` and ``x == hi`` (torch's ``clamp`` convention, which keeps the
+    plain Clip). Ties are common: a ReLU6 after a BatchNorm with zero bias and mean sees exact
+    zeros wherever the conv's window read only zeros (a third of MobileNet's depthwise outputs at
+    initialisation), and every tie adds ``dy`` to the bias gradients upstream. Written as
+    ``Where(lo < x < hi, x, Where(x <= lo, lo, hi))``: the same values, and WhereGrad passes ``dy``
+    exactly where the condition holds (it keeps the boolean condition, not ``x``).
+    """
+    lo_t = g.op("Constant", value_t=torch.tensor(lo, dtype=torch.float32))
+    hi_t = g.op("Constant", value_t=torch.tensor(hi, dtype=torch.float32))
+    inside = g.op("And", g.op("Greater", x, lo_t), g.op("Less", x, hi_t))
+    return g.op("Where", inside, x, g.op("Where", g.op("LessOrEqual", x, lo_t), lo_t, hi_t))
+
+
+@torch.onnx.symbolic_helper.parse_args("v")
+def _relu6_symbolic(g, x):
+    return _hardtanh_symbolic(g, x, 0.0, 6.0)
+
+
+@contextlib.contextmanager
+def _torch_gradient_symbolics():
+    """Export ``aten::hardtanh`` and ``aten::relu6`` with :func:`_hardtanh_symbolic` (only inside)."""
+    ops = {"aten::hardtanh": _hardtanh_symbolic, "aten::relu6": _relu6_symbolic}
+    for op, fn in ops.items():
+        torch.onnx.register_custom_op_symbolic(op, fn, OPSET)
+    try:
+        yield
+    finally:
+        for op in ops:
+            torch.onnx.unregister_custom_op_symbolic(op, OPSET)
+
+
 def to_onnx(
     module: nn.Module, example: torch.Tensor, entries: tuple[ParameterEntry, ...],
     input_name: str = "input", output_name: str = "output",
@@ -651,7 +762,7 @@ def to_onnx(
     """
     buf = io.BytesIO()
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _torch_gradient_symbolics():
             warnings.simplefilter("ignore")
             torch.onnx.export(
                 module, (example,), buf, dynamo=False, opset_version=OPSET,

@@ -135,14 +135,14 @@ def test_fresh_batchnorm_parameters_keep_their_own_names(tmp_path):
     assert {"1.weight", "1.bias", "4.weight", "4.bias", "0.bias", "3.bias", "6.bias"} == trained
 
 
-def test_self_check_refuses_a_graph_ort_gets_wrong(tmp_path, monkeypatch):
-    """Without the grouped-conv rewrite, ORT's gradients are wrong for a residual depthwise
-    conv; the export-time check against torch must catch it and write nothing."""
+def test_a_grouped_1d_convgrad_is_refused_before_ort_runs(tmp_path, monkeypatch):
+    """Without the rewrites, the depthwise Conv1d stays 1-D, and ORT's ConvGrad would write past
+    its input gradient (wrong gradients or heap corruption): the exporter refuses the training
+    graph before any session runs it, and writes nothing."""
     from edgeadapt.export import graph
-    from edgeadapt.export.selfcheck import SelfCheckError
 
     monkeypatch.setattr(graph, "_fit_for_ort_gradients", lambda model: None)
-    with pytest.raises(SelfCheckError, match=r"gradient of (conv|bn)\d\.(weight|bias)"):
+    with pytest.raises(graph.UnsupportedOpError, match=r"'Conv' in module dw: .*ConvGrad writes past .*1-D kernel"):
         export_bundle(make_cnn(), EXAMPLE, tmp_path / "b", policy=UpdatePolicy.full())
     assert not (tmp_path / "b").exists()
 

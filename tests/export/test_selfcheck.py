@@ -1,16 +1,17 @@
 """The export self-check sees small wrong gradients and wrong optimizer steps.
 
 Each case injects one defect into an otherwise correct export of a reference model and expects
-:class:`SelfCheckError` naming what differs: ONNX Runtime's real grouped-conv defect (the
-``graph.py`` workaround removed), an all-zero gradient, and an optimizer step with a learning rate
+:class:`SelfCheckError` naming what differs: ONNX Runtime's real Clip-gradient difference (ReLU6
+exported without ``graph.py``'s torch-gradient form), an all-zero gradient, and an optimizer step with a learning rate
 0.1% off. Tolerances are in ``export/selfcheck.py``'s docstring, with the noise they were
 chosen from.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
-import onnx
 import pytest
 import torch
 from torch import nn
@@ -59,31 +60,16 @@ def test_mobilenet_exports_with_the_workaround(tmp_path):
     assert (tmp_path / "b" / "manifest.json").is_file()
 
 
-def test_removing_the_grouped_conv_workaround_is_caught_on_mobilenet(tmp_path, monkeypatch):
-    """Without the private gradient buffer (a Mul by ones after each grouped conv), ONNX Runtime
-    1.19.2 computes wrong gradients for MobileNet's depthwise convs; the check must refuse it."""
-    fit = graph_module._fit_for_ort_gradients
-    removed = []
-
-    def without_private_buffers(model: onnx.ModelProto) -> None:
-        fit(model)  # the other rewrites stay; only the grouped-conv one is undone
-        muls = [n for n in model.graph.node if n.op_type == "Mul" and n.name.endswith("_private_grad")]
-        ones = set()
-        for mul in muls:
-            raw, one = mul.input
-            producer = next(n for n in model.graph.node if raw in n.output)
-            producer.output[list(producer.output).index(raw)] = mul.output[0]
-            model.graph.node.remove(mul)
-            ones.add(one)
-        kept = [i for i in model.graph.initializer if i.name not in ones]
-        del model.graph.initializer[:]
-        model.graph.initializer.extend(kept)
-        removed.append(len(muls))
-
-    monkeypatch.setattr(graph_module, "_fit_for_ort_gradients", without_private_buffers)
-    with pytest.raises(SelfCheckError, match=r"gradient of [\w.]+ \(batch \d\): error") as caught:
-        export_bundle(reference_model("mobilenet"), EXAMPLE, tmp_path / "b", policy=UpdatePolicy.full())
-    assert removed and removed[0] > 0, "the patch removed no grouped-conv workaround: the test proves nothing"
+def test_relu6_as_a_plain_clip_is_caught_on_mobilenet(tmp_path, monkeypatch):
+    """ReLU6 exported as ONNX Clip: ONNX Runtime 1.19.2's Clip gradient passes ``dy`` at the
+    bounds, torch's does not. A MobileNet at initialisation (zero BN bias and mean) has exact zeros
+    at its depthwise ReLU6 inputs, so its depthwise BN bias gradients are wrong; the check must
+    refuse it."""
+    monkeypatch.setattr(graph_module, "_torch_gradient_symbolics", contextlib.nullcontext)
+    torch.manual_seed(0)
+    model = build_model("mobilenet", 8, 5, LENGTH).eval()
+    with pytest.raises(SelfCheckError, match=r"gradient of blocks\.\d\.depthwise\.bn\.bias \(batch \d\): error") as caught:
+        export_bundle(model, EXAMPLE, tmp_path / "b", policy=UpdatePolicy.full())
     assert not (tmp_path / "b").exists()
     assert "cosine" in str(caught.value)
 
