@@ -28,6 +28,7 @@ from onnx import helper, shape_inference
 
 from ..bundle import ParameterEntry
 from ..sched.ir import Graph, Op, Param
+from .graph import lacks_gradient
 
 __all__ = ["graph_from_onnx", "module_path_of_node", "SAVES_OUTPUT", "SAVES_NOTHING"]
 
@@ -225,6 +226,7 @@ def graph_from_onnx(model_proto: onnx.ModelProto, entries: Iterable[ParameterEnt
             workspace_bytes=sum(nbytes(t) for t in internal),
             flops=sum(_flops(n, vi, inits) for n in grp["nodes"]),
             module=base,
+            differentiable=not any(lacks_gradient(n) for n in grp["nodes"]),
         ))
     params = []
     for e in entries:
@@ -238,7 +240,7 @@ def graph_from_onnx(model_proto: onnx.ModelProto, entries: Iterable[ParameterEnt
         params.append(Param(e.name, tuple(e.shape), dtype_bytes, module, module_types.get(module, "")))
     known = {p.name for p in params}
     ops = [Op(o.name, o.kind, tuple(p for p in o.params if p in known), o.inputs, o.output_bytes, o.saved_bytes,
-              o.workspace_bytes, o.flops, o.module) for o in ops]
+              o.workspace_bytes, o.flops, o.module, o.differentiable) for o in ops]
     return Graph(tuple(ops), tuple(params), nbytes(input_name), name or g.name or "model")
 
 

@@ -5,7 +5,7 @@ It picks, in this order of concern:
 1. the updates -- a given :class:`UpdatePolicy` is resolved and kept; otherwise
    :mod:`.select` maximises importance within the budget (exact MILP, greedy fallback);
 2. the micro-batch -- the largest that fits, to keep steps fast (with a selection: the largest
-   whose best importance is within ``importance_tolerance`` of the best over all sizes);
+   among those whose selection is the most important, within ``importance_tolerance``, 0 by default);
 3. the prefix -- cache its features once per call when that fits (the prefix then runs once,
    not every epoch; with a selection: when the importance stays within the tolerance), else
    run it with every micro-batch;
@@ -323,7 +323,7 @@ def minimum_budget(graph: Graph, *, n_windows: int = 128, batch_windows: int = 3
 def plan_for_budget(graph: Graph, budget_bytes: int | str, *, importance: dict | None = None, n_windows: int = 128,
                     batch_windows: int = 32, optimizer: str = "adamw", cost: CostModel | None = None,
                     policy: UpdatePolicy | None = None, weights: dict[str, np.ndarray] | None = None,
-                    allow_cache: bool = True, allow_remat: bool = True, importance_tolerance: float = 0.05,
+                    allow_cache: bool = True, allow_remat: bool = True, importance_tolerance: float = 0.0,
                     solver: str = "milp") -> Plan:
     """A verified plan for ``graph`` within ``budget_bytes`` for a whole device ``adapt`` call.
 
@@ -342,7 +342,11 @@ def plan_for_budget(graph: Graph, budget_bytes: int | str, *, importance: dict |
         allow_remat: may recompute activations.
         importance_tolerance: a smaller micro-batch, or recomputing the prefix every epoch
             instead of caching its features, is taken only if it raises the selected importance
-            by more than this fraction.
+            by more than this fraction. The default 0 takes the most important selection, the
+            largest micro-batch and cached features only among equally important ones, so the
+            chosen importance never decreases as the budget grows; a positive tolerance trades
+            importance for speed and loses that guarantee (a larger budget can make a faster,
+            less important form acceptable).
         solver: ``"milp"`` (exact; greedy if the solver fails) or ``"greedy"``.
 
     Raises:
@@ -359,6 +363,11 @@ def plan_for_budget(graph: Graph, budget_bytes: int | str, *, importance: dict |
                                 n_windows=n_windows, optimizer=optimizer)
         return _fit_fixed_updates(graph, plan, budget, cost, allow_cache, allow_remat, sizes)
 
+    blocked = graph.gradient_blocked()
+    if blocked:
+        log.info("not training %d parameter(s) whose gradient would flow through an op without a gradient "
+                 "(%s): %s", len(blocked), ", ".join(sorted({op.name for op in graph.ops if not op.differentiable})),
+                 ", ".join(sorted(blocked)))
     units = candidate_units(graph, importance)
     base = Plan(graph=graph.name, params=tuple(ParamPlan(p.name, Mode.FROZEN) for p in graph.params),
                 batch_windows=batch_windows, micro_batch_windows=batch_windows, n_windows=n_windows,
@@ -397,11 +406,14 @@ def plan_for_budget(graph: Graph, budget_bytes: int | str, *, importance: dict |
     if not results:
         _, smallest = _smallest_plan(graph, singles, forms, allow_remat)
         raise NoFeasiblePlan(smallest.peak_bytes, budget, smallest.where)
-    value, m, plan = next(r for r in results if r[0] >= (1.0 - importance_tolerance) * best)  # largest micro first
+    # Within rounding of the best (and of the tolerance): importance is compared, never a speed
+    # preference, so the chosen importance is the best over every form and grows with the budget.
+    floor = (1.0 - importance_tolerance) * best - 1e-9 * max(1.0, abs(best))
+    value, m, plan = next(r for r in results if r[0] >= floor)  # largest micro first
     if allow_cache and not plan.cache_features:
-        # Caching runs the prefix once per call instead of every epoch: worth a little importance.
+        # Caching runs the prefix once per call instead of every epoch: taken at equal importance.
         cached = solve(m, cache_only=True)
-        if cached is not None and cached[0] >= (1.0 - importance_tolerance) * best:
+        if cached is not None and cached[0] >= floor:
             plan = cached[1]
     return _finish(graph, plan, budget, cost)
 

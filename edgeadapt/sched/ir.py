@@ -84,6 +84,10 @@ class Op:
         workspace_bytes: transient bytes per window while it runs (forward), freed after.
         flops: forward FLOPs per window (backward is costed as 2x by the planner).
         module: the module path it belongs to.
+        differentiable: ``False`` when the training runtime cannot propagate a gradient through
+            it (an op without a gradient); no parameter whose gradient must flow through such an
+            op can train (:meth:`Graph.gradient_blocked`). Default ``True`` (graphs written
+            before the field existed).
     """
 
     name: str
@@ -95,8 +99,11 @@ class Op:
     workspace_bytes: int = 0
     flops: int = 0
     module: str = ""
+    differentiable: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.differentiable, bool):
+            raise ValueError(f"op {self.name!r}: differentiable must be a bool, got {self.differentiable!r}")
         object.__setattr__(self, "params", tuple(self.params))
         object.__setattr__(self, "inputs", tuple(self.inputs))
         _check_nonneg(f"op {self.name!r}", output_bytes=self.output_bytes, saved_bytes=self.saved_bytes,
@@ -176,6 +183,18 @@ class Graph:
     def param_bytes(self) -> int:
         return sum(p.param_bytes for p in self.params)
 
+    def gradient_blocked(self) -> frozenset[str]:
+        """Parameters whose gradient would have to flow through an op that is not differentiable:
+        those owned by such an op or by any op whose output reaches one. They cannot train."""
+        consumers: list[list[int]] = [[] for _ in self.ops]
+        for i, op in enumerate(self.ops):
+            for src in op.inputs:
+                consumers[self._op_index[src]].append(i)
+        blocked = [False] * len(self.ops)
+        for i in range(len(self.ops) - 1, -1, -1):
+            blocked[i] = not self.ops[i].differentiable or any(blocked[c] for c in consumers[i])
+        return frozenset(p for i, op in enumerate(self.ops) if blocked[i] for p in op.params)
+
     # ---- JSON ------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -185,7 +204,9 @@ class Graph:
                         "module": p.module, "module_type": p.module_type} for p in self.params],
             "ops": [{"name": o.name, "kind": o.kind, "params": list(o.params), "inputs": list(o.inputs),
                      "output_bytes": o.output_bytes, "saved_bytes": o.saved_bytes,
-                     "workspace_bytes": o.workspace_bytes, "flops": o.flops, "module": o.module}
+                     "workspace_bytes": o.workspace_bytes, "flops": o.flops, "module": o.module,
+                     # only when False: graphs without such ops serialise as before the field existed
+                     **({} if o.differentiable else {"differentiable": False})}
                     for o in self.ops],
         }
 

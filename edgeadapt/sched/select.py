@@ -99,6 +99,10 @@ class SelectionProblem:
         session_factor: bytes per trained byte in the features phase (gradient and state).
         opt_fixed: per configuration, the fixed bytes of the optimizer phase.
         micro_batch_windows: the micro-batch size the constants are for.
+        splits: per parameter whose units are channel groups, ``(name, bytes, unit indices)``:
+            ``bytes`` = ``channel_weight_factor x`` its whole bytes, the whole-weight copies held
+            in every phase when some but not all of its groups train (the parameter is then
+            channel-split; with every group it trains whole, without copies).
     """
 
     units: tuple[Unit, ...]
@@ -108,6 +112,17 @@ class SelectionProblem:
     session_factor: float
     opt_fixed: tuple[int, ...]
     micro_batch_windows: int
+    splits: tuple[tuple[str, float, tuple[int, ...]], ...] = ()
+
+    def split_bytes(self, chosen) -> float:
+        """Whole-weight copy bytes of the parameters that units ``chosen`` (indices) channel-split."""
+        chosen = set(chosen)
+        total = 0.0
+        for _, nbytes, members in self.splits:
+            n = sum(1 for u in members if u in chosen)
+            if 0 < n < len(members):
+                total += nbytes
+        return total
 
 
 def candidate_units(graph: Graph, importance: dict | None = None, channel_groups: int = 4,
@@ -123,9 +138,15 @@ def candidate_units(graph: Graph, importance: dict | None = None, channel_groups
         channel_groups: groups per large weight; with per-channel importance the groups are
             formed from the channels ranked by importance (the first group holds the best).
         min_group_channels: smallest group.
+
+    Parameters whose gradient would flow through an op without a gradient
+    (:meth:`Graph.gradient_blocked`) are no candidates.
     """
     units = []
+    blocked = graph.gradient_blocked()
     for p in graph.params:
+        if p.name in blocked:
+            continue
         op = graph.owner_index(p.name)
         per_row = p.numel // max(1, p.out_channels) * p.dtype_bytes
         if importance is None:
@@ -202,8 +223,15 @@ def build_problem(graph: Graph, units: tuple[Unit, ...], cost: CostModel, *, mic
                                       + cost.activation_bytes(m, act), features,
                                       (0.0 if cache else 1.0) + (2.0 if remat else 0.0)))
                 opt_fixed.append(session_fixed + cache_bytes)
+    members: dict[str, list[int]] = {}
+    for i, u in enumerate(units):
+        if u.channels is not None:
+            members.setdefault(u.param, []).append(i)
+    splits = tuple((name, cost.channel_weight_factor * graph.param(name).param_bytes, tuple(idx))
+                   for name, idx in members.items() if len(idx) > 1 and cost.channel_weight_factor > 0)
     return SelectionProblem(tuple(units), tuple(configs), session_factor + roll,
-                            session_factor + roll + cost.optimizer_workspace_factor, session_factor, tuple(opt_fixed), m)
+                            session_factor + roll + cost.optimizer_workspace_factor, session_factor, tuple(opt_fixed), m,
+                            splits)
 
 
 def selection_peak(problem: SelectionProblem, chosen: tuple[int, ...], config: int) -> float:
@@ -213,9 +241,10 @@ def selection_peak(problem: SelectionProblem, chosen: tuple[int, ...], config: i
     if any(problem.units[u].op_index < c.first_op for u in chosen):
         return math.inf
     t = sum(problem.units[u].trained_bytes for u in chosen)
-    peaks = [c.fixed_bytes + problem.train_factor * t, problem.opt_fixed[config] + problem.opt_factor * t]
+    split = problem.split_bytes(chosen)
+    peaks = [c.fixed_bytes + problem.train_factor * t + split, problem.opt_fixed[config] + problem.opt_factor * t + split]
     if c.cache_features:
-        peaks.append(c.features_bytes + problem.session_factor * t)
+        peaks.append(c.features_bytes + problem.session_factor * t + split)
     return max(peaks)
 
 
@@ -280,42 +309,62 @@ def _native_stdout_to_log():
 def select_milp(problem: SelectionProblem, budget_bytes: int, time_limit_s: float = 10.0) -> Selection | None:
     """Maximise total importance within ``budget_bytes`` exactly (``scipy.optimize.milp``).
 
-    Variables: ``x_u`` (unit trains) and ``z_j`` (configuration ``j`` chosen); one configuration;
-    ``x_u <= sum of z_j over configurations whose first op is at or before u's op``; at least one
-    unit; for the chosen configuration the training, optimizer and features phases within budget.
-    Ties in importance prefer the configuration with the smaller penalty.
+    Variables: ``x_u`` (unit trains), ``z_j`` (configuration ``j`` chosen) and, per parameter of
+    ``problem.splits``, ``s_p`` (it is channel-split) and ``a_p`` (all its groups train); one
+    configuration; ``x_u <= sum of z_j over configurations whose first op is at or before u's
+    op``; at least one unit; ``a_p <= x_g`` and ``s_p >= x_g - a_p`` for each group ``g`` of
+    ``p`` (so ``s_p`` is 1 when some but not all groups train: the exact whole-weight copy term
+    of :func:`selection_peak`); for the chosen configuration the training, optimizer and
+    features phases within budget. Ties in importance prefer the configuration with the smaller
+    penalty.
 
     Returns:
         The selection, or ``None`` when no unit fits.
     """
-    nu, nc = len(problem.units), len(problem.configs)
+    nu, nc, ns = len(problem.units), len(problem.configs), len(problem.splits)
     if nu == 0 or nc == 0:
         return None
+    nv = nu + nc + 2 * ns
     tb = np.array([u.trained_bytes for u in problem.units], dtype=np.float64)
     imp = np.array([u.importance for u in problem.units], dtype=np.float64)
     pen = np.array([c.penalty for c in problem.configs], dtype=np.float64)
-    scale = max(imp.sum(), 1.0)
-    eps = 1e-7 * scale / max(1.0, pen.max(initial=1.0))
-    c_obj = np.concatenate([-imp, eps * pen])
+    copies = np.array([b for _, b, _ in problem.splits], dtype=np.float64)
+    # Importance scaled to a total of 1e6: HiGHS also stops within an absolute gap of 1e-6, which
+    # on raw importances would drop units of tiny importance (and break exactness).
+    unit = 1e6 / max(imp.sum(), 1e-300)
+    eps = 1e-7 * 1e6 / max(1.0, pen.max(initial=1.0))
+    c_obj = np.concatenate([-imp * unit, eps * pen, np.zeros(2 * ns)])
     rows, lb, ub = [], [], []
-    rows.append(np.concatenate([np.zeros(nu), np.ones(nc)])); lb.append(1); ub.append(1)
-    rows.append(np.concatenate([np.ones(nu), np.zeros(nc)])); lb.append(1); ub.append(np.inf)
+
+    def row(units=0.0, configs=0.0, split=0.0) -> np.ndarray:
+        r = np.zeros(nv)
+        r[:nu], r[nu:nu + nc], r[nu + nc:nu + nc + ns] = units, configs, split
+        return r
+
+    rows.append(row(configs=1.0)); lb.append(1); ub.append(1)
+    rows.append(row(units=1.0)); lb.append(1); ub.append(np.inf)
     big = float(budget_bytes)
     fixed = np.array([c.fixed_bytes for c in problem.configs], dtype=np.float64)
     feat = np.array([c.features_bytes if c.cache_features else 0 for c in problem.configs], dtype=np.float64)
-    rows.append(np.concatenate([problem.train_factor * tb, fixed])); lb.append(-np.inf); ub.append(big)
-    rows.append(np.concatenate([problem.opt_factor * tb, np.array(problem.opt_fixed, dtype=np.float64)]))
+    rows.append(row(problem.train_factor * tb, fixed, copies)); lb.append(-np.inf); ub.append(big)
+    rows.append(row(problem.opt_factor * tb, np.array(problem.opt_fixed, dtype=np.float64), copies))
     lb.append(-np.inf); ub.append(big)
-    rows.append(np.concatenate([problem.session_factor * tb, feat])); lb.append(-np.inf); ub.append(big)
+    rows.append(row(problem.session_factor * tb, feat, copies)); lb.append(-np.inf); ub.append(big)
     first = np.array([c.first_op for c in problem.configs])
     for i, u in enumerate(problem.units):
-        row = np.zeros(nu + nc)
-        row[i] = 1.0
-        row[nu:] = -(first <= u.op_index).astype(np.float64)
-        rows.append(row); lb.append(-np.inf); ub.append(0.0)
+        r = row(configs=-(first <= u.op_index).astype(np.float64))
+        r[i] = 1.0
+        rows.append(r); lb.append(-np.inf); ub.append(0.0)
+    for k, (_, _, members) in enumerate(problem.splits):
+        s_k, a_k = nu + nc + k, nu + nc + ns + k
+        for g in members:
+            r = np.zeros(nv); r[a_k], r[g] = 1.0, -1.0  # a_p <= x_g
+            rows.append(r); lb.append(-np.inf); ub.append(0.0)
+            r = np.zeros(nv); r[g], r[a_k], r[s_k] = 1.0, -1.0, -1.0  # x_g - a_p <= s_p
+            rows.append(r); lb.append(-np.inf); ub.append(0.0)
     with _native_stdout_to_log():
         res = milp(c_obj, constraints=LinearConstraint(np.array(rows), lb, ub),
-                   integrality=np.ones(nu + nc), bounds=Bounds(0, 1),
+                   integrality=np.ones(nv), bounds=Bounds(0, 1),
                    options={"time_limit": time_limit_s, "mip_rel_gap": 1e-9})
     if res.x is None:
         if res.status not in (2,):  # 2: infeasible
@@ -323,7 +372,7 @@ def select_milp(problem: SelectionProblem, budget_bytes: int, time_limit_s: floa
         return None
     x = np.round(res.x).astype(int)
     chosen = tuple(int(i) for i in np.nonzero(x[:nu])[0])
-    config = int(np.nonzero(x[nu:])[0][0])
+    config = int(np.nonzero(x[nu:nu + nc])[0][0])
     return Selection(chosen, config, float(imp[list(chosen)].sum()))
 
 

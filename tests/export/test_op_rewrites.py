@@ -152,3 +152,28 @@ def test_gradient_builder_failure_is_refused(tmp_path, monkeypatch):
 
     monkeypatch.setattr(graph, "_OP_REWRITES", tuple(r for r in graph._OP_REWRITES if r[0] != "ReduceLogSumExp"))
     _refused(tmp_path, lambda x: torch.logsumexp(x, -1), "ReduceLogSumExp", "cannot build its gradient")
+
+
+def test_budget_plan_trains_only_after_an_op_without_gradient(tmp_path, caplog):
+    """CumSum in the middle (module ``act``): under a budget the planner trains only the head after
+    it (the graph IR marks ``act`` not differentiable), where it used to pick the conv before it
+    and fail; a policy that trains the conv is still refused with UnsupportedOpError."""
+    import json
+    import logging
+
+    from edgeadapt.sched import Graph
+
+    model, example = _model(lambda x: x.cumsum(-1)), torch.randn(8, 4, 16)
+    with caplog.at_level(logging.INFO, logger="edgeadapt.sched.batching"):
+        export_bundle(model, example, tmp_path / "b", memory_budget="16MiB", n_windows=16, batch_windows=8)
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    trained = {p["name"] for p in manifest["plan"]["params"] if p["mode"] != "frozen"}
+    assert trained and trained <= {"head.weight", "head.bias"}
+    graph = Graph.from_dict(manifest["graph"])
+    assert [op.name for op in graph.ops if not op.differentiable] == ["act"]
+    assert graph.gradient_blocked() == {"conv.weight", "conv.bias"}
+    assert "conv.weight" in caplog.text  # what the planner left out is logged
+    with pytest.raises(UnsupportedOpError) as info:
+        export_bundle(model, example, tmp_path / "c", memory_budget="16MiB", n_windows=16, batch_windows=8,
+                      policy=UpdatePolicy.full())
+    assert info.value.op == "CumSum" and info.value.modules == ["act"]

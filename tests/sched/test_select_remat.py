@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from sched_testgraphs import random_graph
@@ -129,3 +130,77 @@ def test_chain_peak_equals_predict_activation_peak():
         held = peak.phases_bytes["rollback"]
         act = max(peak.phases_bytes["forward"], peak.phases_bytes.get("backward", 0)) - held
         assert act == chain_peak(chain, rec)
+
+
+SPLIT_COST = CostModel(session_overhead_bytes=50, per_window_bytes=2, grad_op_bytes=8, graph_op_bytes=3,
+                       channel_weight_factor=1.7)
+
+
+def _split_problem(rng, m=1, n_ops=None):
+    """A random graph whose weights form channel groups (2 per weight), costed with whole-weight
+    copies of channel-split parameters (``channel_weight_factor``)."""
+    g = random_graph(rng, n_ops or rng.randint(2, 5))
+    importance = {p.name: [rng.random() ** 3 for _ in range(p.out_channels)] for p in g.params}
+    units = candidate_units(g, importance, channel_groups=2, min_group_channels=1)[:12]
+    problem = build_problem(g, units, SPLIT_COST, micro_batch_windows=m, n_windows=rng.randint(1, 20),
+                            optimizer=rng.choice(["adamw", "sgd"]), allow_remat=False)
+    return g, problem
+
+
+def test_milp_counts_channel_weight_copies_exactly():
+    """The whole-weight copies of a channel-split parameter (some but not all of its groups) are in
+    the MILP exactly: it equals brute force and is never below greedy on problems where the term
+    decides."""
+    rng = random.Random(21)
+    checked = split_chosen = decided = 0
+    for _ in range(40):
+        g, problem = _split_problem(rng, rng.randint(1, 3))
+        if not problem.splits:  # no weight with two or more output channels
+            continue
+        peaks = [selection_peak(problem, (u,), j) for u in range(len(problem.units))
+                 for j in range(len(problem.configs))]
+        peaks = [p for p in peaks if p != float("inf")]
+        lo, hi = min(peaks), max(peaks) * 3
+        for budget in (int(lo), int(lo * 1.3), int((lo + hi) / 2), int(hi)):
+            exact = select_brute_force(problem, budget)
+            milp = select_milp(problem, budget)
+            greedy = select_greedy(problem, budget)
+            if exact is None:
+                assert milp is None and greedy is None
+                continue
+            checked += 1
+            assert milp.importance == pytest.approx(exact.importance, rel=1e-9, abs=1e-12)
+            assert selection_peak(problem, milp.units, milp.config) <= budget
+            assert greedy is not None and greedy.importance <= milp.importance + 1e-9
+            assert selection_peak(problem, greedy.units, greedy.config) <= budget
+            split_chosen += problem.split_bytes(milp.units) > 0
+            free = select_brute_force(replace(problem, splits=()), budget)  # the copies not counted
+            decided += free.importance > exact.importance + 1e-9
+    assert checked > 60 and split_chosen > 0 and decided > 5
+
+
+def test_selection_peak_covers_predict_with_channel_splits():
+    """``selection_peak`` bounds ``predict`` from above (up to rounding) for any selection and
+    configuration, channel-split parameters included: the solvers never accept what predict refuses."""
+    from edgeadapt.sched.batching import _plan_from_selection
+    from edgeadapt.sched.select import Selection
+
+    rng = random.Random(8)
+    checked = 0
+    for _ in range(60):
+        g, problem = _split_problem(rng, rng.randint(1, 4))
+        n_windows = rng.randint(1, 20)
+        problem = build_problem(g, problem.units, SPLIT_COST, micro_batch_windows=problem.micro_batch_windows,
+                                n_windows=n_windows, optimizer="adamw", allow_remat=False)
+        base = Plan(g.name, tuple(ParamPlan(p.name, "frozen") for p in g.params), batch_windows=4,
+                    micro_batch_windows=problem.micro_batch_windows, n_windows=n_windows, optimizer="adamw")
+        for _ in range(10):
+            chosen = tuple(sorted(rng.sample(range(len(problem.units)), rng.randint(1, len(problem.units)))))
+            configs = [j for j in range(len(problem.configs)) if selection_peak(problem, chosen, j) != float("inf")]
+            if not configs:
+                continue
+            j = rng.choice(configs)
+            plan, _ = _plan_from_selection(g, problem, Selection(chosen, j, 0.0), base)
+            assert predict(g, plan, SPLIT_COST).peak_bytes <= selection_peak(problem, chosen, j) + 2
+            checked += 1
+    assert checked > 200
