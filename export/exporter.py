@@ -280,11 +280,7 @@ def export_bundle(
         prepared = prepare_model(model, policy, batchnorm)
     else:
         if policy is None:  # recorded for reports; the plan in the manifest is what the bundle carries out
-            try:
-                policy = policy_of_plan(graph, plan)
-            except ValueError as e:
-                log.info("the planned updates have no rule form (%s); the manifest's plan lists them", e)
-                policy = UpdatePolicy()
+            policy = policy_of_plan(graph, plan)
         prepared = prepare_from_plan(model, plan, batchnorm)
         check_entries(plan, prepared.entries)
     with torch.no_grad():
