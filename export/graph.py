@@ -720,13 +720,14 @@ def _hardtanh_symbolic(g, x, lo: float, hi: float):
     plain Clip). Ties are common: a ReLU6 after a BatchNorm with zero bias and mean sees exact
     zeros wherever the conv's window read only zeros (a third of MobileNet's depthwise outputs at
     initialisation), and every tie adds ``dy`` to the bias gradients upstream. Written as
-    ``Where(lo < x < hi, x, Where(x <= lo, lo, hi))``: the same values, and WhereGrad passes ``dy``
-    exactly where the condition holds (it keeps the boolean condition, not ``x``).
+    ``Where(x >= hi, hi, Where(x <= lo, lo, x))``: the same values (NaN stays NaN, as in torch, so
+    a non-finite input still gives a non-finite loss), and WhereGrad passes ``dy`` to ``x`` exactly
+    where ``lo < x < hi`` (it keeps the boolean conditions, not ``x``).
     """
     lo_t = g.op("Constant", value_t=torch.tensor(lo, dtype=torch.float32))
     hi_t = g.op("Constant", value_t=torch.tensor(hi, dtype=torch.float32))
-    inside = g.op("And", g.op("Greater", x, lo_t), g.op("Less", x, hi_t))
-    return g.op("Where", inside, x, g.op("Where", g.op("LessOrEqual", x, lo_t), lo_t, hi_t))
+    below_or_at = g.op("Where", g.op("LessOrEqual", x, lo_t), lo_t, x)
+    return g.op("Where", g.op("GreaterOrEqual", x, hi_t), hi_t, below_or_at)
 
 
 @torch.onnx.symbolic_helper.parse_args("v")

@@ -138,6 +138,10 @@ def test_clamp_keeps_clip_and_relu6_gets_torchs_gradient():
     with torch.no_grad():
         want = model(torch.from_numpy(x)).numpy()
     assert np.array_equal(out, want)
+    # NaN stays NaN, as in torch: a non-finite input must still give a non-finite loss
+    nan_in = np.full((1, 3), np.nan, dtype=np.float32)
+    nan_out = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"input": nan_in})[0]
+    assert np.isnan(nan_out).all()
 
 
 def test_grouped_1d_convs_are_exported_as_2d():
