@@ -25,8 +25,10 @@ __all__ = [
     "allreduce_gradients",
     "broadcast_parameters",
     "gather_rng_states",
+    "gradient_bucket",
     "init_from_env",
     "shutdown",
+    "unpack_bucket",
 ]
 
 logger = logging.getLogger(__name__)
@@ -131,20 +133,34 @@ def allreduce_gradients(block_name: str,
     world_size = dist.get_world_size(group)
     if world_size == 1:
         return
+    bucket = gradient_bucket(block_name, tensors)
+    dist.all_reduce(bucket, op=dist.ReduceOp.SUM, group=group)
+    bucket.div_(world_size)
+    unpack_bucket(bucket, tensors)
+    logger.debug("block %s: averaged %d gradient elements over %d ranks", block_name, bucket.numel(), world_size)
+
+
+def gradient_bucket(block_name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One block's gradients as one flat tensor (a copy), so a collective moves them at once.
+
+    Raises:
+        ValueError: the gradients mix devices or dtypes.
+    """
     kinds = {(t.device, t.dtype) for t in tensors}
     if len(kinds) > 1:
         raise ValueError(f"block {block_name!r}: gradients on several devices/dtypes {sorted(map(str, kinds))}; "
                          f"move them to one device and dtype before reducing")
-    bucket = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1).clone()
-    dist.all_reduce(bucket, op=dist.ReduceOp.SUM, group=group)
-    bucket.div_(world_size)
+    return torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1).clone()
+
+
+def unpack_bucket(bucket: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy a flat bucket made by :func:`gradient_bucket` back into ``tensors``, in order."""
     offset = 0
     with torch.no_grad():
         for t in tensors:
             n = t.numel()
             t.copy_(bucket[offset:offset + n].view_as(t))
             offset += n
-    logger.debug("block %s: averaged %d gradient elements over %d ranks", block_name, offset, world_size)
 
 
 def broadcast_parameters(model: nn.Module, src: int = 0, group: dist.ProcessGroup | None = None) -> None:

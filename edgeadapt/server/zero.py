@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from .distributed import gradient_bucket, unpack_bucket
+
 if TYPE_CHECKING:
     from .executor import StreamingExecutor
 
@@ -110,22 +112,13 @@ class OptimizerSharding:
         tensors = [g for g in grads if g is not None]
         if not tensors or not self.distributed:
             return
-        kinds = {(t.device, t.dtype) for t in tensors}
-        if len(kinds) > 1:
-            raise ValueError(f"block {block_name!r}: gradients on several devices/dtypes "
-                             f"{sorted(map(str, kinds))}; move them to one device and dtype before reducing")
         owner = self.owners[self._index[block_name]]
-        bucket = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1).clone()
+        bucket = gradient_bucket(block_name, tensors)
         dist.reduce(bucket, dst=self._global(owner), op=dist.ReduceOp.SUM, group=self.group)
         if owner != self.rank:
             return
         bucket.div_(self.world_size)
-        offset = 0
-        with torch.no_grad():
-            for t in tensors:
-                n = t.numel()
-                t.copy_(bucket[offset:offset + n].view_as(t))
-                offset += n
+        unpack_bucket(bucket, tensors)
 
     # ---- weights ------------------------------------------------------------------------
     def broadcast_weights(self, ex: StreamingExecutor) -> None:
