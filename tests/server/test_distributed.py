@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from server_helpers import assert_same_gpt_parameters
 
 from edgeadapt.server.distributed import DistContext, allreduce_gradients, gather_rng_states, init_from_env
 
@@ -95,26 +96,11 @@ def _run(tmp_path: Path, n_proc: int, engine: str, steps: int = 3) -> tuple[dict
     return (torch.load(out, map_location="cpu", weights_only=True), json.loads(Path(f"{out}.json").read_text()))
 
 
-def _assert_same_parameters(a: dict, b: dict) -> None:
-    # Two ranks sum the gradient in two halves, one process in one reduction: float32 rounding
-    # differs at ~1e-7 relative. AdamW normalises each step to about lr (1e-2), so a small
-    # gradient's rounding moves its parameter by up to ~1e-4 * lr: tolerance atol 1e-3 * lr.
-    # The key bias is excluded: its exact gradient is zero (softmax ignores a per-query
-    # constant), so its float32 gradient is rounding noise that AdamW scales up to steps of lr.
-    assert a.keys() == b.keys()
-    for name in a:
-        x, y = a[name], b[name]
-        if name.endswith("attn.qkv.bias"):
-            d = x.numel() // 3
-            x, y = torch.cat([x[:d], x[2 * d:]]), torch.cat([y[:d], y[2 * d:]])
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
-
-
 @pytest.mark.slow
 def test_two_gloo_ranks_equal_one_process_with_the_global_batch(tmp_path):
     one, _ = _run(tmp_path, 1, "loop")
     two, checks = _run(tmp_path, 2, "loop")
-    _assert_same_parameters(two, one)
+    assert_same_gpt_parameters(two, one)
     # rank 0 sent [1,1,1]/[[0,0],[0,0]], rank 1 [2,2,2]/[[10,10],[10,10]]: the mean, None skipped
     assert checks["averaged"] == [[1.5, 1.5, 1.5], [[5.0, 5.0], [5.0, 5.0]]]
     assert checks["rng_states"] == 2
@@ -133,9 +119,9 @@ def test_two_ranks_each_running_the_offload_trainer_equal_one_process(tmp_path, 
     gradients with allreduce_gradients before that block's CPU AdamW update."""
     one, _ = _run(tmp_path, 1, engine)
     two, _ = _run(tmp_path, 2, engine)
-    _assert_same_parameters(two, one)
+    assert_same_gpt_parameters(two, one)
     plain, _ = _run(tmp_path, 1, "loop")
-    _assert_same_parameters(one, plain)     # and the offloaded single process is plain torch training
+    assert_same_gpt_parameters(one, plain)     # and the offloaded single process is plain torch training
 
 
 def test_without_a_process_group_everything_is_a_single_process_no_op(monkeypatch):
