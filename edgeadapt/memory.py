@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import gc
 import os
 import sys
@@ -28,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 __all__ = ["status_bytes", "status_fields", "rss_bytes", "anon_rss_bytes", "peak_rss_bytes", "reset_peak_rss",
-           "PeakDelta", "measure_peak", "AnonPeakSampler", "trim_heap"]
+           "PeakDelta", "measure_peak", "AnonPeakSampler", "trim_heap", "libc_function"]
 
 _STATUS = "/proc/self/status"
 
@@ -86,19 +87,16 @@ def reset_peak_rss() -> bool:
         return False
 
 
-_MALLOC_TRIM = None  # resolved on first use: glibc's malloc_trim, or False where there is none
-
-
-def _malloc_trim():
-    global _MALLOC_TRIM
-    if _MALLOC_TRIM is None:
-        try:
-            fn = ctypes.CDLL(None).malloc_trim  # the libc the interpreter is linked against
-            fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
-            _MALLOC_TRIM = fn
-        except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS, Windows)
-            _MALLOC_TRIM = False
-    return _MALLOC_TRIM
+@functools.cache
+def libc_function(name: str, argtypes: tuple, restype):
+    """``name`` from the C library the interpreter runs on, with its signature set; ``None``
+    where that library has no such function (not glibc: musl, macOS, Windows)."""
+    try:
+        fn = getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
 
 
 def trim_heap() -> bool:
@@ -115,8 +113,8 @@ def trim_heap() -> bool:
         garbage collection ran.
     """
     gc.collect()
-    fn = _malloc_trim()
-    if not fn:
+    fn = libc_function("malloc_trim", (ctypes.c_size_t,), ctypes.c_int)
+    if fn is None:
         return False
     fn(0)
     return True

@@ -189,57 +189,6 @@ def _average_pools_as_convs(model: onnx.ModelProto) -> int:
     return len(pools)
 
 
-def _instance_norms_decomposed(model: onnx.ModelProto) -> int:
-    """Replace InstanceNormalization by the same arithmetic in ops ONNX Runtime can differentiate.
-
-    ONNX Runtime 1.19.2 registers no gradient for InstanceNormalization, which torch emits for
-    ``GroupNorm`` (``Reshape`` to groups around an InstanceNormalization) and ``InstanceNorm1d/2d``.
-    Per sample and channel over the spatial axes: ``(x - mean) / sqrt(var + eps) * scale + B`` with
-    the biased variance, the definition both torch and ONNX use.
-    """
-    norms = [n for n in model.graph.node if n.op_type == "InstanceNormalization"]
-    if not norms:
-        return 0
-    inferred = onnx.shape_inference.infer_shapes(model).graph
-    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in (*inferred.value_info, *inferred.input)}
-    nodes: list[onnx.NodeProto] = []
-    for node in model.graph.node:
-        if node.op_type != "InstanceNormalization":
-            nodes.append(node)
-            continue
-        x, scale, bias = node.input
-        rank = ranks.get(x)
-        if not rank or rank < 3:
-            raise UnsupportedOpError(
-                "InstanceNormalization", [module_of_node(node.name)],
-                "ONNX Runtime has no gradient for it and its input rank is unknown, so it cannot be rewritten")
-        axes = list(range(2, rank))
-        base, out = node.name, node.output[0]
-        eps, shape = f"{out}__eps", f"{out}__affine_shape"
-        model.graph.initializer.extend([
-            numpy_helper.from_array(np.array(_attr(node, "epsilon", 1e-5), dtype=np.float32), eps),
-            numpy_helper.from_array(np.array([1, -1] + [1] * (rank - 2), dtype=np.int64), shape),
-        ])
-        t = {k: f"{out}__{k}" for k in ("mean", "centred", "square", "var", "var_eps", "std", "normed", "scale", "bias", "scaled")}
-        make = onnx.helper.make_node
-        nodes += [
-            make("ReduceMean", [x], [t["mean"]], name=f"{base}_mean", axes=axes, keepdims=1),
-            make("Sub", [x, t["mean"]], [t["centred"]], name=f"{base}_centre"),
-            make("Mul", [t["centred"], t["centred"]], [t["square"]], name=f"{base}_square"),
-            make("ReduceMean", [t["square"]], [t["var"]], name=f"{base}_var", axes=axes, keepdims=1),
-            make("Add", [t["var"], eps], [t["var_eps"]], name=f"{base}_var_eps"),
-            make("Sqrt", [t["var_eps"]], [t["std"]], name=f"{base}_std"),
-            make("Div", [t["centred"], t["std"]], [t["normed"]], name=f"{base}_normalise"),
-            make("Reshape", [scale, shape], [t["scale"]], name=f"{base}_scale_shape"),
-            make("Reshape", [bias, shape], [t["bias"]], name=f"{base}_bias_shape"),
-            make("Mul", [t["normed"], t["scale"]], [t["scaled"]], name=f"{base}_scale"),
-            make("Add", [t["scaled"], t["bias"]], [out], name=f"{base}_shift"),
-        ]
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
-    return len(norms)
-
-
 class _Rewriter:
     """Helpers for replacing nodes of one op type: static shapes, constant inputs, new initializers.
 
@@ -334,6 +283,40 @@ def _replace(model: onnx.ModelProto, op_type: str, rewrite) -> int:
 
 def _f32(value: float) -> np.ndarray:
     return np.array(value, dtype=np.float32)
+
+
+def _instance_norm(rw: _Rewriter, node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """InstanceNormalization (no gradient registered in ONNX Runtime 1.19.2; torch emits it for
+    ``GroupNorm``, a ``Reshape`` to groups around it, and ``InstanceNorm1d/2d``) as the same
+    arithmetic: per sample and channel over the spatial axes, ``(x - mean) / sqrt(var + eps) *
+    scale + B`` with the biased variance, the definition both torch and ONNX use.
+
+    Raises:
+        UnsupportedOpError: the input's rank is unknown, so the reduced axes are.
+    """
+    x, scale, bias = node.input
+    shape = rw.shape(x)
+    if not shape or len(shape) < 3:
+        raise UnsupportedOpError(
+            "InstanceNormalization", [module_of_node(node.name)],
+            "ONNX Runtime has no gradient for it and its input rank is unknown, so it cannot be rewritten")
+    rank = len(shape)
+    axes = list(range(2, rank))
+    eps = rw.init(node, "eps", _f32(_attr(node, "epsilon", 1e-5)))
+    affine_shape = rw.init(node, "affine_shape", np.array([1, -1] + [1] * (rank - 2), dtype=np.int64))
+    return rw.chain(node, [
+        ("ReduceMean", [x], "mean", {"axes": axes, "keepdims": 1}),
+        ("Sub", [x, "@0"], "centre", {}),
+        ("Mul", ["@1", "@1"], "square", {}),
+        ("ReduceMean", ["@2"], "var", {"axes": axes, "keepdims": 1}),
+        ("Add", ["@3", eps], "var_eps", {}),
+        ("Sqrt", ["@4"], "std", {}),
+        ("Div", ["@1", "@5"], "normalise", {}),
+        ("Reshape", [scale, affine_shape], "scale_shape", {}),
+        ("Reshape", [bias, affine_shape], "bias_shape", {}),
+        ("Mul", ["@6", "@7"], "scale", {}),
+        ("Add", ["@9", "@8"], "shift", {}),
+    ])
 
 
 def _elu(rw: _Rewriter, node: onnx.NodeProto) -> list[onnx.NodeProto]:
@@ -583,7 +566,7 @@ def lacks_gradient(node: onnx.NodeProto) -> bool:
 
 #: (op type, rewrite) applied in this order by :func:`_fit_for_ort_gradients`.
 _OP_REWRITES = (
-    ("Elu", _elu), ("Softplus", _softplus), ("HardSigmoid", _hard_sigmoid), ("HardSwish", _hard_swish),
+    ("InstanceNormalization", _instance_norm), ("Elu", _elu), ("Softplus", _softplus), ("HardSigmoid", _hard_sigmoid), ("HardSwish", _hard_swish),
     ("ReduceMax", _reduce_max), ("ReduceMin", _reduce_max),
     ("ReduceLogSumExp", _reduce_keepdims), ("ReduceL2", _reduce_keepdims),
     ("Slice", _reversed_slice), ("Resize", _nearest_resize),
@@ -595,7 +578,7 @@ def _fit_for_ort_gradients(model: onnx.ModelProto) -> None:
 
     * AveragePool: see :func:`_average_pools_as_convs` (runs first; yields grouped Convs).
     * InstanceNormalization (GroupNorm, InstanceNorm): no gradient registered; see
-      :func:`_instance_norms_decomposed`.
+      :func:`_instance_norm`.
     * Grouped 1-D Conv (``group > 1``, e.g. depthwise ``Conv1d``): ConvGrad writes past the end of
       its input gradient; the same convolution as a 2-D one, see :func:`_grouped_conv_as_2d`.
       (Grouped 3-D convs stay: :func:`check_grouped_conv_grads` refuses their gradient.)
@@ -618,7 +601,6 @@ def _fit_for_ort_gradients(model: onnx.ModelProto) -> None:
     those ops not differentiable).
     """
     _average_pools_as_convs(model)
-    _instance_norms_decomposed(model)
     for op_type, rewrite in _OP_REWRITES:
         n = _replace(model, op_type, rewrite)
         if n:

@@ -15,8 +15,9 @@ a process-wide setting; the trainer applies it for offloaded training unless tol
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
+
+from ..memory import libc_function
 
 __all__ = ["set_mmap_threshold", "M_MMAP_THRESHOLD"]
 
@@ -33,13 +34,9 @@ def set_mmap_threshold(nbytes: int) -> bool:
         True where glibc accepted it; False elsewhere (another C library, or a value glibc
         refuses: it accepts up to 32 MiB on 64-bit systems).
     """
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = libc_function("mallopt", (ctypes.c_int, ctypes.c_int), ctypes.c_int)
+    if mallopt is None:
         return False
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     ok = bool(mallopt(M_MMAP_THRESHOLD, int(nbytes)))
     if ok:
         log.info("malloc: requests of %d bytes or more are mapped and unmapped (fixed mmap threshold)", nbytes)
