@@ -12,6 +12,17 @@ def rng() -> np.random.Generator:
     return np.random.default_rng(0)
 
 
+@pytest.fixture
+def one_torch_thread():
+    """One intra-op thread: on a shared, busy machine torch's spinning pool is ~20x slower."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def cnn_bundle(tmp_path_factory):
     """A CNN bundle training the head fully and half of conv2's output channels (AdamW)."""

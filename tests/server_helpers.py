@@ -59,8 +59,9 @@ def batches(kind: str, n: int, seed: int = 1, batch: int = 8):
 
 
 def reference_train(model: nn.Module, data, *, lr=1e-2, weight_decay=0.1, seed=123) -> nn.Module:
-    """Plain in-memory torch training: AdamW(foreach=True) on cross-entropy."""
+    """Plain in-memory torch training: AdamW(foreach=True) on cross-entropy, on the model's device."""
     torch.manual_seed(seed)
+    torch.cuda.manual_seed_all(seed)  # deferred until CUDA is initialised; nothing without it
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, foreach=True)
     for x, y in data:

@@ -35,12 +35,7 @@ POLICY = "head=full,dw_bn=full"
 STEPS, BATCH, LR = 4, 8, 0.05
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 class DepthwiseBlock(nn.Module):

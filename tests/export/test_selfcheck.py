@@ -25,13 +25,7 @@ from edgeadapt.runtime.backend import OrtTrainingBackend
 LENGTH = 64
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """One intra-op thread: on a shared, busy machine torch's spinning pool is ~20x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def reference_model(name: str) -> nn.Module:

@@ -27,26 +27,38 @@ def _problem(rng, n_ops=6, m=2):
                             optimizer=rng.choice(["adamw", "sgd"]))
 
 
+def _peak_range(problem) -> tuple[float, float]:
+    """The smallest single-unit peak and three times the largest: budgets from tight to loose."""
+    peaks = [selection_peak(problem, (u,), j) for u in range(len(problem.units))
+             for j in range(len(problem.configs))]
+    peaks = [p for p in peaks if p != float("inf")]
+    return min(peaks), max(peaks) * 3
+
+
+def _compare_solvers(problem, budget: int, abs_tol: float):
+    """Brute force, MILP and greedy at ``budget``: all infeasible together, else MILP equals brute
+    force, fits the budget and is never below greedy. Returns ``(exact, milp, greedy)``, or
+    ``None`` when nothing fits."""
+    exact = select_brute_force(problem, budget)
+    milp = select_milp(problem, budget)
+    greedy = select_greedy(problem, budget)
+    if exact is None:
+        assert milp is None and greedy is None
+        return None
+    assert milp.importance == pytest.approx(exact.importance, rel=1e-9, abs=abs_tol)
+    assert selection_peak(problem, milp.units, milp.config) <= budget
+    assert greedy is not None and greedy.importance <= milp.importance + 1e-9
+    return exact, milp, greedy
+
+
 def test_milp_matches_brute_force_and_beats_greedy():
     rng = random.Random(3)
     checked = 0
     for _ in range(40):
         g, problem = _problem(rng, rng.randint(2, 7), rng.randint(1, 3))
-        peaks = [selection_peak(problem, (u,), j) for u in range(len(problem.units))
-                 for j in range(len(problem.configs))]
-        peaks = [p for p in peaks if p != float("inf")]
-        lo, hi = min(peaks), max(peaks) * 3
+        lo, hi = _peak_range(problem)
         for budget in (int(lo), int((lo + hi) / 2), int(hi)):
-            exact = select_brute_force(problem, budget)
-            milp = select_milp(problem, budget)
-            greedy = select_greedy(problem, budget)
-            if exact is None:
-                assert milp is None and greedy is None
-                continue
-            checked += 1
-            assert milp.importance == pytest.approx(exact.importance, rel=1e-9, abs=1e-9)
-            assert selection_peak(problem, milp.units, milp.config) <= budget
-            assert greedy is not None and greedy.importance <= milp.importance + 1e-9
+            checked += _compare_solvers(problem, budget, abs_tol=1e-9) is not None
     assert checked > 40
 
 
@@ -157,21 +169,13 @@ def test_milp_counts_channel_weight_copies_exactly():
         g, problem = _split_problem(rng, rng.randint(1, 3))
         if not problem.splits:  # no weight with two or more output channels
             continue
-        peaks = [selection_peak(problem, (u,), j) for u in range(len(problem.units))
-                 for j in range(len(problem.configs))]
-        peaks = [p for p in peaks if p != float("inf")]
-        lo, hi = min(peaks), max(peaks) * 3
+        lo, hi = _peak_range(problem)
         for budget in (int(lo), int(lo * 1.3), int((lo + hi) / 2), int(hi)):
-            exact = select_brute_force(problem, budget)
-            milp = select_milp(problem, budget)
-            greedy = select_greedy(problem, budget)
-            if exact is None:
-                assert milp is None and greedy is None
+            solved = _compare_solvers(problem, budget, abs_tol=1e-12)
+            if solved is None:
                 continue
+            exact, milp, greedy = solved
             checked += 1
-            assert milp.importance == pytest.approx(exact.importance, rel=1e-9, abs=1e-12)
-            assert selection_peak(problem, milp.units, milp.config) <= budget
-            assert greedy is not None and greedy.importance <= milp.importance + 1e-9
             assert selection_peak(problem, greedy.units, greedy.config) <= budget
             split_chosen += problem.split_bytes(milp.units) > 0
             free = select_brute_force(replace(problem, splits=()), budget)  # the copies not counted

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from server_helpers import batches, make_mlp
-from torch import nn
+from server_helpers import batches, make_mlp, reference_train
 
 from edgeadapt.server import Trainer
 
@@ -16,14 +15,7 @@ pytestmark = [pytest.mark.gpu,
 @pytest.mark.parametrize("offload,recompute", [("host", False), ("host", True), ("disk", "auto")])
 def test_cuda_offload_matches_plain_cuda_training(offload, recompute, tmp_path):
     data = [(x.cuda(), y.cuda()) for x, y in batches("mlp", 4, batch=64)]
-    ref = make_mlp(width=256, depth=6).cuda()
-    torch.manual_seed(123)
-    torch.cuda.manual_seed_all(123)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
-    for x, y in data:
-        opt.zero_grad()
-        nn.functional.cross_entropy(ref(x), y).backward()
-        opt.step()
+    ref = reference_train(make_mlp(width=256, depth=6).cuda(), data)
     model = make_mlp(width=256, depth=6)
     state = 16 * sum(p.numel() for p in model.parameters())
     budget = state // 4

@@ -215,14 +215,7 @@ def test_edgeadapt_train_runs_the_transformer_with_its_positional_embedding(tmp_
 @pytest.mark.parametrize("offload", ["host", "disk"])
 def test_cuda_root_block_matches_plain_cuda_training(offload, tmp_path):
     data = [(x.cuda(), y.cuda()) for x, y in batches("mlp", 3, batch=32)]
-    ref = make_root(width=128).cuda()
-    torch.manual_seed(123)
-    torch.cuda.manual_seed_all(123)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
-    for x, y in data:
-        opt.zero_grad()
-        nn.functional.cross_entropy(ref(x), y).backward()
-        opt.step()
+    ref = reference_train(make_root(width=128).cuda(), data)
     model = make_root(width=128)
     budget = 4 * sum(p.numel() for p in model.parameters())  # a quarter of weights, gradients and AdamW state
     torch.manual_seed(123)
