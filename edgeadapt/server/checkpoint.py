@@ -113,6 +113,11 @@ def check_signature(saved: dict, current: dict) -> None:
                                  + ". Resume with the same model and optimizer settings, or start a new run")
 
 
+def _point_latest(directory: Path, name: str, step: int) -> None:
+    """Switch ``latest.json`` to the checkpoint folder ``name`` (atomically: the last act of a save)."""
+    atomic_write_json(directory / "latest.json", {"checkpoint": name, "step": step})
+
+
 def latest(directory: Path) -> Path:
     """The folder ``latest.json`` points to.
 
@@ -131,7 +136,7 @@ def save(trainer: Trainer, directory: Path, *, extra: dict, keep: int = 2) -> Pa
     name = f"step-{trainer.step_count:08d}"
     target = directory / name
     if target.exists():  # a checkpoint of this very step exists: it is complete (renamed last)
-        atomic_write_json(directory / "latest.json", {"checkpoint": name, "step": trainer.step_count})
+        _point_latest(directory, name, trainer.step_count)
         return target
     with staged_directory(target) as stage:
         for i in range(len(trainer.blocks)):
@@ -141,7 +146,7 @@ def save(trainer: Trainer, directory: Path, *, extra: dict, keep: int = 2) -> Pa
         meta = {"format": FORMAT, "signature": trainer.signature(), "step": trainer.step_count,
                 "lr": trainer.lr, "extra": extra}
         atomic_write_json(stage / "meta.json", meta)
-    atomic_write_json(directory / "latest.json", {"checkpoint": name, "step": trainer.step_count})
+    _point_latest(directory, name, trainer.step_count)
     old = sorted(p for p in directory.glob("step-*") if p.is_dir() and p.name != name)
     for p in old[: max(0, len(old) - (keep - 1))]:
         shutil.rmtree(p, ignore_errors=True)
@@ -262,7 +267,7 @@ def save_sharded(trainer: Trainer, directory: Path, *, extra: dict, keep: int = 
     if _from_rank0(target.exists(), sh):  # complete already (renamed last): only the pointer
         if sh.rank == 0:
             try:
-                atomic_write_json(directory / "latest.json", {"checkpoint": name, "step": trainer.step_count})
+                _point_latest(directory, name, trainer.step_count)
             except Exception as e:  # noqa: BLE001 - every rank must learn of it
                 failure = e
         _agree(failure, sh)
@@ -289,7 +294,7 @@ def save_sharded(trainer: Trainer, directory: Path, *, extra: dict, keep: int = 
                         "lr": trainer.lr, "extra": extra, "zero1": sh.describe()}
                 atomic_write_json(stage / "meta.json", meta)
         if sh.rank == 0:
-            atomic_write_json(directory / "latest.json", {"checkpoint": name, "step": trainer.step_count})
+            _point_latest(directory, name, trainer.step_count)
             old = sorted(p for p in directory.glob("step-*") if p.is_dir() and p.name != name)
             for p in old[: max(0, len(old) - (keep - 1))]:
                 shutil.rmtree(p, ignore_errors=True)
