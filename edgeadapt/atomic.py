@@ -5,7 +5,9 @@ fsynced before the rename, so a power loss cannot leave a renamed but empty file
 
 A staging directory is locked (``flock``) by the process that fills it, so a later writer can
 tell an abandoned one (its owner was killed: the lock is gone) from one still being filled, and
-removes only the former (:func:`sweep_stale_stages`).
+removes only the former (:func:`sweep_stale_stages`). Only directories this module made are ever
+removed: the name must be exactly ``.<target name>.<random>.partial`` and the directory must hold
+the marker file :data:`STAGE_MARKER` (removed just before the rename into place).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -28,7 +31,12 @@ __all__ = [
     "staged_directory",
     "directory_lock",
     "sweep_stale_stages",
+    "STAGE_MARKER",
 ]
+
+#: File that :func:`staged_directory` writes into every staging directory it makes; a directory
+#: without it is never removed, whatever its name.
+STAGE_MARKER = ".edgeadapt-staging"
 
 
 def _fsync_path(path: Path) -> None:
@@ -101,8 +109,10 @@ def directory_lock(directory: str | os.PathLike, *, exclusive: bool, blocking: b
         os.close(fd)  # releases the lock
 
 
-def _stage_pattern(target: Path) -> str:
-    return f".{target.name}.*.partial"
+def _stage_name(target: Path) -> re.Pattern[str]:
+    """The names :func:`tempfile.mkdtemp` gives ``target``'s staging directories, matched exactly
+    (the target's name is a literal: ``*`` or ``?`` in it match only themselves)."""
+    return re.compile(re.escape(f".{target.name}.") + r"[A-Za-z0-9_]+" + re.escape(".partial"))
 
 
 def sweep_stale_stages(target: str | os.PathLike) -> list[str]:
@@ -114,9 +124,12 @@ def sweep_stale_stages(target: str | os.PathLike) -> list[str]:
     removed = []
     if not target.parent.is_dir():
         return removed
-    for stage in target.parent.glob(_stage_pattern(target)):
-        if not stage.is_dir() or stage.is_symlink():
+    name = _stage_name(target)
+    for stage in target.parent.iterdir():
+        if not name.fullmatch(stage.name) or stage.is_symlink() or not stage.is_dir():
             continue
+        if not (stage / STAGE_MARKER).is_file() or (stage / STAGE_MARKER).is_symlink():
+            continue  # not made by staged_directory (or already past its rename)
         try:
             with directory_lock(stage, exclusive=True, blocking=False) as held:
                 if held:
@@ -148,8 +161,10 @@ def staged_directory(target: str | os.PathLike) -> Iterator[Path]:
     sweep_stale_stages(target)
     stage = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
     try:
+        (stage / STAGE_MARKER).touch()
         with directory_lock(stage, exclusive=True):
             yield stage
+            (stage / STAGE_MARKER).unlink()
             _fsync_path(stage)
             try:
                 os.rename(stage, target)

@@ -29,7 +29,7 @@ import numpy as np
 from numpy.random import default_rng
 from tqdm.auto import tqdm
 
-from ..atomic import atomic_path, staged_directory, sweep_stale_stages
+from ..atomic import atomic_path, staged_directory
 from ..bundle import BundleError, Manifest, bundle_lock, read_manifest, sha256_file, sweep_orphans, write_manifest
 from .backend import OrtTrainingBackend, TrainingBackend
 from .errors import DeviceUnavailableError, NonFiniteLossError
@@ -163,7 +163,6 @@ class Runner:
         """
         bundle_dir = Path(bundle_dir)
         if not bundle_dir.is_dir():
-            sweep_stale_stages(bundle_dir)  # an interrupted save into a new folder leaves only these
             raise BundleError(f"{bundle_dir} is not an edgeadapt bundle: no such directory")
         chosen: list[str] = []
 
@@ -195,9 +194,6 @@ class Runner:
                     "re-export it or restore a copy"
                 ) from None
             check_checkpoint_values(runner._backend.get_tensor, parameter_names, manifest, bundle_dir)
-        with bundle_lock(bundle_dir, exclusive=True, blocking=False) as free:
-            if free and (removed := sweep_orphans(bundle_dir, manifest)):
-                log.info("%s: removed %s left by an interrupted save", bundle_dir, removed)
         log.info("loaded %s on %s: %d trainable elements", bundle_dir, runner.device, manifest.trainable_numel)
         return runner
 
@@ -555,7 +551,8 @@ class Runner:
         Saves into one bundle are serialised by a lock on its directory (concurrent savers take
         turns, each leaving a consistent bundle); two saves creating the same new directory race
         for the final rename: one wins, the other raises :class:`FileExistsError`. Whatever an
-        interrupted save left behind is removed by the next save or load.
+        interrupted save left behind is removed by the next save of the same target (loading
+        never writes: it works on read-only bundles and never removes anything).
 
         Raises:
             FileExistsError: ``out_dir`` exists and is not a bundle of the same graphs.

@@ -2,9 +2,9 @@
 
 A child process adapts and saves in a loop (into the same bundle, or into a new folder each
 time); the parent kills it after a seeded random delay. Afterwards every target either loads
-and is consistent or is absent, the bundle's previous state is never lost, and a later load
-removes whatever the killed save left behind (stray checkpoints, temp files, ``.partial``
-folders).
+and is consistent or is absent, the bundle's previous state is never lost, and the next save of
+that target removes whatever the killed save left behind (stray checkpoints, temp files, its own
+``.partial`` folders). Loading never writes or removes anything.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 import numpy as np
 import pytest
 
+from edgeadapt.atomic import STAGE_MARKER
 from edgeadapt.bundle import BundleError, read_manifest
 from edgeadapt.runtime import Runner
 
@@ -91,7 +92,8 @@ def _same_bundle(bundle, rounds: int) -> None:
         runner = Runner.load(bundle, device="cpu")  # loads: checksums, graphs, checkpoint values
         assert runner.step >= step, "a save lost the previous state"
         step = runner.step
-        assert _leftovers(bundle) == []  # the load removed what the killed save left
+        runner.save(bundle)
+        assert _leftovers(bundle) == []  # the next save removed what the killed save left
     assert step > 0, "no save completed in any round; the delays are too short to test anything"
 
 
@@ -100,6 +102,7 @@ def _new_folders(bundle, tmp_path, rounds: int) -> None:
     out = tmp_path / "outs"
     out.mkdir()
     completed = 0
+    runner = Runner.load(bundle, device="cpu")
     for r in range(rounds):
         target = out / f"r{r}-"
         _kill_during_saves("new", bundle, target, float(rng.uniform(0.0, 0.25)))
@@ -108,9 +111,11 @@ def _new_folders(bundle, tmp_path, rounds: int) -> None:
             assert Runner.load(folder, device="cpu").step > 0
             assert _leftovers(folder) == []
         completed += len(made)
-        # The next folder the killed child would have written: absent; loading it sweeps.
+        # The next folder the killed child would have written: absent; saving into it sweeps.
+        following = out / f"{target.name}{len(made)}"
         with pytest.raises(BundleError, match="no such directory"):
-            Runner.load(out / f"{target.name}{len(made)}")
+            Runner.load(following)
+        runner.save(following)
         assert _partials(out) == []
     assert completed > 0, "no save completed in any round; the delays are too short to test anything"
 
@@ -179,8 +184,42 @@ def test_interrupted_saves_leave_nothing_after_a_later_save(bundle, tmp_path):
     (bundle / ".manifest.json.k3j4.tmp").write_bytes(b"{")
     stale = tmp_path / ".new.abc123.partial"
     stale.mkdir()
+    (stale / STAGE_MARKER).touch()  # what a killed staged_directory leaves
     runner.save(bundle)
     assert _leftovers(bundle) == []
     runner.save(tmp_path / "new")
     assert not stale.exists() and (tmp_path / "new" / "manifest.json").is_file()
     assert os.listdir(tmp_path / "new")
+
+
+def test_loading_never_removes_or_writes(bundle):
+    """A load leaves leftovers of a killed save alone (the next save removes them), so it also
+    works on a read-only bundle."""
+    leftover = bundle / ".checkpoint-000009-abcdef.x1y2.tmp"
+    leftover.write_bytes(b"half")
+    stale = bundle.parent / f".{bundle.name}.abc123.partial"
+    stale.mkdir()
+    (stale / STAGE_MARKER).touch()
+    os.chmod(bundle, 0o555)
+    try:
+        Runner.load(bundle, device="cpu")
+    finally:
+        os.chmod(bundle, 0o755)
+    assert leftover.exists() and stale.exists()
+
+
+@pytest.mark.parametrize("name", ["*", "b?", "[bd]", "x"])
+def test_only_the_runners_own_staging_folders_are_removed(bundle, tmp_path, name):
+    """Directories of the user beside a target are never removed, whatever the target's name: a
+    glob character in it matches only itself, and a staging folder needs the marker file."""
+    d = tmp_path / "d"
+    d.mkdir()
+    users = [d / ".other.notes.partial", d / f".{name}.abc123.partial"]  # the second: no marker
+    for folder in users:
+        folder.mkdir()
+        (folder / "notes.txt").write_text("mine")
+    with pytest.raises(BundleError, match="no such directory"):
+        Runner.load(d / name)
+    Runner.load(bundle, device="cpu").save(d / name)
+    assert all((folder / "notes.txt").read_text() == "mine" for folder in users)
+    assert (d / name / "manifest.json").is_file()
