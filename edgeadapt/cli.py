@@ -16,7 +16,9 @@ from pathlib import Path
 
 __all__ = ["main", "build_parser"]
 
-
+# Third-party packages a command's extra brings; a command that finds one missing names the
+# extra to install (``set_defaults(extra=...)`` on its parser) instead of a traceback.
+EXTRA_PACKAGES = {"server": ("torch", "onnx", "onnxruntime", "matplotlib")}
 
 # ---- helpers --------------------------------------------------------------------------
 def _load_factory(spec: str):
@@ -214,6 +216,9 @@ def cmd_export_inference(args: argparse.Namespace) -> int:
 
 
 def cmd_quickstart(args: argparse.Namespace) -> int:
+    import matplotlib  # noqa: F401  (the plots, and torch below: missing extras fail before any work)
+    import torch  # noqa: F401
+
     from .harness.quickstart import QuickstartConfig, run_quickstart
 
     cfg = QuickstartConfig(dataset=args.dataset, model=args.model, policy=args.policy, out_dir=Path(args.out),
@@ -316,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batchnorm", default="frozen", choices=BATCHNORM_MODES,
                    help="frozen running statistics (default) or batch statistics during adaptation")
     p.add_argument("--batch-size", type=int, default=2, help="batch size of the example input used for tracing")
-    p.set_defaults(func=cmd_export)
+    p.set_defaults(func=cmd_export, extra="server")
 
     p = sub.add_parser("inspect", help="what trains, how many bytes, versions, checksums")
     p.add_argument("bundle")
@@ -360,17 +365,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget", metavar="BYTES", default=None,
                    help="also run the planner's choice within this budget per adapt call (e.g. 256KiB)")
     p.add_argument("--small", action="store_true", help="a tiny setting for smoke tests")
-    p.set_defaults(func=cmd_quickstart)
+    p.set_defaults(func=cmd_quickstart, extra="server")
 
     p = sub.add_parser("train", help="train every parameter on the server, streaming state from host or disk",
                        description="Full training with the streaming/offload trainer; under torchrun, data parallel.")
     _add_train(p)
-    p.set_defaults(func=cmd_train)
+    p.set_defaults(func=cmd_train, extra="server")
 
     from .plan_cli import add_plan_parser
 
     add_plan_parser(sub)
     return parser
+
+
+def _missing_extra(args: argparse.Namespace, error: ModuleNotFoundError) -> str | None:
+    """The one-line error for a command whose extra is not installed; ``None`` when ``error`` is
+    not about a package of that extra (a bug or a missing user module: the traceback stays)."""
+    extra = getattr(args, "extra", None)
+    missing = (error.name or "").split(".")[0]
+    if extra is None or missing not in EXTRA_PACKAGES[extra]:
+        return None
+    return (f"edgeadapt {args.command} needs {missing}, which is not installed here; install the "
+            f"{extra} extra: pip install \"edgeadapt[{extra}]\" (a device install has only the runtime)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -383,6 +399,12 @@ def main(argv: list[str] | None = None) -> int:
     known = (BundleError, ValueError, OSError, RuntimeError)
     try:
         return args.func(args)
+    except ModuleNotFoundError as e:
+        hint = _missing_extra(args, e)
+        if hint is None or args.verbose:
+            raise
+        print(f"error: {hint}", file=sys.stderr)
+        return 2
     except known as e:
         if args.verbose:
             raise

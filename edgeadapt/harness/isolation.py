@@ -9,11 +9,12 @@ __all__ = ["forbid_torch", "TorchForbidden"]
 
 
 class TorchForbidden(importlib.abc.MetaPathFinder):
-    """A meta-path finder that raises ImportError for ``torch`` and its submodules."""
+    """A meta-path finder that raises ``ModuleNotFoundError`` (an ``ImportError``, named like a
+    missing package's) for ``torch`` and its submodules, as on a machine without torch."""
 
     def find_spec(self, name, path=None, target=None):
         if name == "torch" or name.startswith("torch."):
-            raise ImportError(f"torch is blocked in this process: {name}")
+            raise ModuleNotFoundError(f"torch is blocked in this process: {name}", name=name)
         return None
 
 
