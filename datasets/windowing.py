@@ -83,7 +83,7 @@ def window_signal(signal: np.ndarray, window_length_samples: int, hop: int) -> t
         return np.zeros((0, signal.shape[1], window_length_samples), dtype=np.float32), starts
     # sliding_window_view over time gives (time - L + 1, channels, L): already channels-first.
     view = np.lib.stride_tricks.sliding_window_view(signal, window_length_samples, axis=0)
-    return view[starts].astype(np.float32), starts
+    return view[starts].astype(np.float32, order="C"), starts  # C order: the view's gather is not
 
 
 def window_labels(

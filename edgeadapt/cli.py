@@ -71,9 +71,8 @@ def _load_data(args: argparse.Namespace, manifest):
         kwargs["window_length_samples"] = _window_length(args, manifest)
     ds = load_dataset(path, **kwargs)
     y = ds.y if manifest.label is not None else None
-    check_inputs(manifest, ds.X, what=f"{path} (X)")
-    check_labels(manifest, y, len(ds.X), what=f"{path} (y)")
-    return ds.X, y
+    X = check_inputs(manifest, ds.X, what=f"{path} (X)")
+    return X, check_labels(manifest, y, len(X), what=f"{path} (y)")
 
 
 def _format_bytes(n: int) -> str:

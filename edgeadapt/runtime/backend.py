@@ -20,6 +20,7 @@ from typing import Protocol
 import numpy as np
 
 from ..bundle import BundleError, Manifest
+from .arrays import native_contiguous
 from .device import open_on_device
 from .ort_import import pybind_state as C  # torch-free import of onnxruntime's pybind layer
 
@@ -165,12 +166,15 @@ class OrtTrainingBackend:
 
     # ---- steps --------------------------------------------------------------------------
     def _inputs(self, x: np.ndarray, y: np.ndarray | None) -> list[np.ndarray]:
-        return [x, y] if self._has_labels else [x]
+        """The data inputs as ONNX Runtime reads them (see :mod:`.arrays`); the caller holds the
+        returned list until the run that reads them has returned."""
+        return [native_contiguous(a) for a in ([x, y] if self._has_labels else [x])]
 
     def train_step(self, x: np.ndarray, y: np.ndarray | None) -> tuple[float, np.ndarray]:
         self.open_training()
         fetches = C.OrtValueVector()
-        self._module.train_step(self._inputs(x, y), fetches)
+        inputs = self._inputs(x, y)
+        self._module.train_step(inputs, fetches)
         return float(fetches[0].numpy()), fetches[self._train_output_index].numpy()
 
     def scale_gradients(self, factor: float) -> None:
@@ -190,13 +194,15 @@ class OrtTrainingBackend:
             self._module.lazy_reset_grad()
 
     def _run_eval(self, feeds: dict[str, np.ndarray], outputs: list[str]) -> list[np.ndarray]:
+        """Run the eval graph; ``feeds`` must be native and C-contiguous and outlive the call
+        (the OrtValues made from them point into their buffers)."""
         cpu = self._ort_device("cpu")
         values = {n: self._state.get_parameter(n).data for n in self._param_inputs}
-        values.update({n: C.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v), cpu) for n, v in feeds.items()})
+        values.update({n: C.OrtValue.ortvalue_from_numpy(v, cpu) for n, v in feeds.items()})
         return [v.numpy() for v in self._eval.run_with_ort_values(values, outputs, C.RunOptions())]
 
     def forward(self, x: np.ndarray, y: np.ndarray | None) -> tuple[float, np.ndarray]:
-        feeds = dict(zip(self._data_inputs, self._inputs(x, y)))
+        feeds = dict(zip(self._data_inputs, self._inputs(x, y)))  # held until the run returns
         loss, out = self._run_eval(feeds, [self._eval_outputs[0], self._output_name])
         return float(loss), out
 
@@ -219,9 +225,10 @@ class OrtTrainingBackend:
         names = [i.name for i in session.inputs_meta]
         cpu = self._ort_device("cpu")
         feeds = {n: self._state.get_parameter(n).data for n in names if self._state.has_parameter(n)}
-        for n, v in zip(self._data_inputs, self._inputs(x, y)):
+        data = self._inputs(x, y)  # held until the run returns: the OrtValues point into these buffers
+        for n, v in zip(self._data_inputs, data):
             if n in names:
-                feeds[n] = C.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v), cpu)
+                feeds[n] = C.OrtValue.ortvalue_from_numpy(v, cpu)
         outputs = ([model.loss_output] if model.loss_output else []) + [o for o, _ in model.updates]
         values = list(session.run_with_ort_values(feeds, outputs, C.RunOptions()))
         loss = float(values[0].numpy()) if model.loss_output else float("nan")

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ..bundle import Manifest
+from .arrays import native_contiguous
 from .ort_import import import_onnxruntime
 
 __all__ = ["PrefixModel", "open_prefix", "suffix_inputs", "merge_inference", "FEATURES_NAME"]
@@ -97,7 +98,8 @@ class PrefixModel:
             raise ValueError(f"micro_batch_windows must be >= 1, got {micro_batch_windows}")
         out: np.ndarray | None = None
         for s in _batches(len(X), int(micro_batch_windows)):
-            (f,) = self._session.run([FEATURES_NAME], {self.input_name: np.ascontiguousarray(X[s])})
+            part = native_contiguous(X[s])  # held until the run returns
+            (f,) = self._session.run([FEATURES_NAME], {self.input_name: part})
             if out is None:
                 out = np.empty((len(X), *f.shape[1:]), dtype=f.dtype)
             out[s] = f

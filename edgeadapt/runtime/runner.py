@@ -318,8 +318,8 @@ class Runner:
         if lr is not None and not isinstance(lr, bool) and isinstance(lr, (int, float)) and lr == 0:
             return self.update_bn_statistics(X, y, epochs=epochs, batch_size=batch_size, shuffle=shuffle,
                                              seed=seed, progress=progress)
-        check_inputs(self.manifest, X)
-        check_labels(self.manifest, y, X.shape[0])
+        X = check_inputs(self.manifest, X)
+        y = check_labels(self.manifest, y, X.shape[0])
         if epochs < 1 or batch_size < 1:
             raise ValueError(f"epochs and batch_size must be >= 1, got {epochs} and {batch_size}")
         if schedule not in SCHEDULES:
@@ -431,9 +431,9 @@ class Runner:
             NonFiniteLossError: a batch gave non-finite statistics; the statistics are rolled
                 back to the start of the epoch.
         """
-        check_inputs(self.manifest, X)
+        X = check_inputs(self.manifest, X)
         if y is not None or self.manifest.label is None:
-            check_labels(self.manifest, y, X.shape[0])
+            y = check_labels(self.manifest, y, X.shape[0])
         if epochs < 1 or batch_size < 1:
             raise ValueError(f"epochs and batch_size must be >= 1, got {epochs} and {batch_size}")
         if not self.manifest.batch_statistics:
@@ -479,7 +479,7 @@ class Runner:
 
     def predict(self, X: np.ndarray, batch_size: int = 256) -> np.ndarray:
         """Model outputs (logits) for ``X`` with the current parameters, eval mode."""
-        check_inputs(self.manifest, X)
+        X = check_inputs(self.manifest, X)
         outs = [self._backend.forward(suffix_inputs(self._prefix, X[i:i + batch_size], batch_size),
                                       self._dummy_labels(len(X[i:i + batch_size])))[1]
                 for i in range(0, len(X), batch_size)]
@@ -487,8 +487,8 @@ class Runner:
 
     def evaluate(self, X: np.ndarray, y: np.ndarray | None = None, batch_size: int = 256) -> EvalResult:
         """Mean loss and (for cross-entropy bundles) accuracy on ``X``/``y``."""
-        check_inputs(self.manifest, X)
-        check_labels(self.manifest, y, X.shape[0])
+        X = check_inputs(self.manifest, X)
+        y = check_labels(self.manifest, y, X.shape[0])
         total_loss, outputs = 0.0, []
         for i in range(0, len(X), batch_size):
             xb = X[i:i + batch_size]

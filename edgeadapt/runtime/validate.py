@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from ..bundle import Manifest
+from .arrays import native_contiguous
 from .errors import InputError
 
 __all__ = ["check_inputs", "check_labels", "check_learning_rate"]
@@ -29,14 +30,16 @@ def check_learning_rate(lr: object, what: str = "lr") -> float:
     return value
 
 
-def check_inputs(manifest: Manifest, x: np.ndarray, what: str = "X") -> None:
-    """Raise :class:`InputError` unless ``x`` is a finite float32 batch of the bundle's input shape."""
+def check_inputs(manifest: Manifest, x: np.ndarray, what: str = "X") -> np.ndarray:
+    """``x`` as the runner feeds it (:func:`~.arrays.native_contiguous`: ``x`` itself when it is
+    native-order and C-contiguous already, else one copy); :class:`InputError` unless ``x`` is a
+    finite float32 batch (any byte order or memory layout) of the bundle's input shape."""
     spec = manifest.input
     if not isinstance(x, np.ndarray):
         raise InputError(f"{what} must be a numpy array, got {type(x).__name__}")
     if x.ndim == 0:
         raise InputError(f"{what} is a scalar; it must be a batch of windows {list(spec.shape)}")
-    if x.dtype != np.dtype(spec.dtype):
+    if x.dtype.newbyteorder("=") != np.dtype(spec.dtype):
         raise InputError(f"{what} has dtype {x.dtype}, the bundle expects {spec.dtype}; convert with {what}.astype(np.{spec.dtype})")
     want = spec.shape
     if x.ndim != len(want) or any(w is not None and w != g for w, g in zip(want, x.shape)):
@@ -54,6 +57,7 @@ def check_inputs(manifest: Manifest, x: np.ndarray, what: str = "X") -> None:
     n = _count_nonfinite(x)
     if n:
         raise InputError(f"{what} contains {n} NaN or infinite values; clean or impute them first")
+    return native_contiguous(x)
 
 
 _CHECK_CHUNK_BYTES = 64 * 1024
@@ -72,13 +76,15 @@ def _count_nonfinite(x: np.ndarray) -> int:
     return n
 
 
-def check_labels(manifest: Manifest, y: np.ndarray | None, n_windows: int, what: str = "y") -> None:
-    """Raise :class:`InputError` unless ``y`` suits the bundle's loss (or is absent for a label-free one)."""
+def check_labels(manifest: Manifest, y: np.ndarray | None, n_windows: int, what: str = "y") -> np.ndarray | None:
+    """``y`` as the runner feeds it (native-order, C-contiguous, see :func:`check_inputs`), or
+    ``None`` for a label-free loss; :class:`InputError` unless ``y`` suits the bundle's loss (or
+    is absent for a label-free one)."""
     spec = manifest.label
     if spec is None:
         if y is not None:
             raise InputError(f"the bundle's loss {manifest.loss!r} is label-free; do not pass {what}")
-        return
+        return None
     if y is None:
         raise InputError(f"the bundle's loss {manifest.loss!r} needs labels; pass {what}")
     if not isinstance(y, np.ndarray):
@@ -90,7 +96,7 @@ def check_labels(manifest: Manifest, y: np.ndarray | None, n_windows: int, what:
     if manifest.loss == "cross_entropy":
         if not np.issubdtype(y.dtype, np.integer):
             raise InputError(f"{what} must hold integer class indices for cross_entropy, got dtype {y.dtype}")
-        if y.dtype != np.dtype(spec["dtype"]):
+        if y.dtype.newbyteorder("=") != np.dtype(spec["dtype"]):
             raise InputError(
                 f"{what} has dtype {y.dtype}, the bundle expects {spec['dtype']} class indices; "
                 f"convert with {what}.astype(np.{spec['dtype']})"
@@ -104,16 +110,17 @@ def check_labels(manifest: Manifest, y: np.ndarray | None, n_windows: int, what:
                 f"{what} has labels in [{lo}, {hi}] but the model has {n} classes (0..{n - 1}); "
                 "map the labels to the classes the source model was trained on"
             )
-        return
+        return native_contiguous(y)
     want = spec["shape"]
     if y.ndim != len(want) or any(w is not None and w != g for w, g in zip(want, y.shape)):
         raise InputError(f"{what} has shape {list(y.shape)}, the bundle expects {['batch' if w is None else w for w in want]}")
     if not np.issubdtype(y.dtype, np.floating):
         raise InputError(f"{what} must be float targets for {manifest.loss}, got dtype {y.dtype}")
-    if y.dtype != np.dtype(spec["dtype"]):
+    if y.dtype.newbyteorder("=") != np.dtype(spec["dtype"]):
         raise InputError(f"{what} has dtype {y.dtype}, the bundle expects {spec['dtype']}; "
                          f"convert with {what}.astype(np.{spec['dtype']})")
     if not np.isfinite(y).all():
         raise InputError(f"{what} contains NaN or infinite values")
     if manifest.loss == "bce_with_logits" and (y.min() < 0 or y.max() > 1):
         raise InputError(f"{what} must lie in [0, 1] for bce_with_logits, got [{y.min()}, {y.max()}]")
+    return native_contiguous(y)

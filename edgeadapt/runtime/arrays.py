@@ -1,0 +1,20 @@
+"""Numpy arrays as ONNX Runtime reads them: native byte order, C-contiguous, held by the caller.
+
+``OrtValue.ortvalue_from_numpy`` (and a session fed with such values) keeps only a pointer to the
+array's buffer, reads it as C-ordered elements of the platform's byte order, and does not keep
+the array alive. So every buffer handed to ONNX Runtime is first made :func:`native_contiguous`
+(a copy only when the array is not so already) and the caller holds that exact array in a local
+name until the run that reads it has returned.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["native_contiguous"]
+
+
+def native_contiguous(a: np.ndarray) -> np.ndarray:
+    """``a`` in native byte order and C order: ``a`` itself when it already is, else a copy
+    (transposed, sliced, Fortran-order or non-native byte-order arrays)."""
+    return np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("="))
