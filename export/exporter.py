@@ -25,6 +25,7 @@ from ..sched import predict, verify
 from ..sched.ir import Graph
 from ..sched.plan import Action, Plan, parse_bytes
 from ..sched.policy import UpdatePolicy
+from ..sched.resolve import resolve_last_layer
 from ..versions import package_versions
 from .graph import (MAX_IR_VERSION, UnsupportedOpError, check_grouped_conv_grads, module_of_node, to_onnx,
                     unsupported_from_ort_error)
@@ -110,6 +111,17 @@ def _keep(graph: Graph, plan: Plan, ops: set[str]) -> Plan:
         return plan
     plan = replace(plan, activations=tuple((n, Action.KEEP if n in ops else a) for n, a in plan.activations))
     return replace(plan, predicted=predict(graph, plan))
+
+
+def _last_layer_without_graph(model: nn.Module, policy: UpdatePolicy) -> UpdatePolicy:
+    """The last-layer rule where the model's graph IR (which finds the last layer) cannot be
+    built: the module named ``head`` if there is one, else an error naming the rule to write."""
+    if not policy.names_last_layer:
+        return policy
+    if "head" in dict(model.named_modules()):
+        return policy.with_last_layer("head")
+    raise ValueError("the last-layer policy finds the model's last layer in its graph IR, which cannot be built "
+                     "for this model; name the layer to train, e.g. --policy 'classifier=full'")
 
 
 def _verify_budget(graph: Graph, plan: Plan) -> None:
@@ -212,7 +224,8 @@ def export_bundle(
         example_input: one batch, float32, shape (batch, ...); axis 0 becomes dynamic.
         out_dir: the bundle directory to create; it must not exist. Written atomically: on any
             error nothing is left at ``out_dir``.
-        policy: which parameters / biases / channels train; default: the ``head`` module only.
+        policy: which parameters / biases / channels train; default: the model's last layer only
+            (``UpdatePolicy.last_layer()``: the module whose parameters lie nearest the output).
         loss: one of ``cross_entropy``, ``mse``, ``bce_with_logits``, ``entropy`` (label-free).
         optimizer: ``"adamw"``, ``"sgd"`` or an :class:`OptimizerConfig`.
         batchnorm: ``"frozen"`` (running statistics fixed; default) or ``"batch"`` (ONNX Runtime
@@ -276,11 +289,12 @@ def export_bundle(
     plan, graph = planned.plan, planned.graph
     policy = given_policy
     if plan is None:  # no graph IR for this model: the policy as given, no plan recorded
-        policy = policy or UpdatePolicy.last_layer()
+        policy = _last_layer_without_graph(model, policy or UpdatePolicy.last_layer())
         prepared = prepare_model(model, policy, batchnorm)
     else:
         if policy is None:  # recorded for reports; the plan in the manifest is what the bundle carries out
             policy = policy_of_plan(graph, plan)
+        policy = resolve_last_layer(graph, policy)
         prepared = prepare_from_plan(model, plan, batchnorm)
         check_entries(plan, prepared.entries)
     with torch.no_grad():

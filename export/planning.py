@@ -90,7 +90,7 @@ def plan_export(model: nn.Module, example_input: torch.Tensor, *, policy: Update
                 loss: str = "cross_entropy", recompute: bool = False) -> PlannedExport:
     """Build the graph IR and make the plan (see the module docstring).
 
-    * no budget: the policy (default: the head) resolved; the prefix's features are cached when
+    * no budget: the policy (default: the model's last layer) resolved; the prefix's features are cached when
       that lowers the predicted peak (``cache_features`` True/False forces the choice);
     * a budget and a policy: the best plan for that policy under the budget (micro-batch, cut,
       and recompute when ``recompute``), refused when none fits;

@@ -31,7 +31,12 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Mode", "Rule", "UpdatePolicy", "ParamUpdate", "resolve_channels"]
+__all__ = ["Mode", "Rule", "UpdatePolicy", "ParamUpdate", "resolve_channels", "LAST_LAYER"]
+
+# The pattern of :meth:`UpdatePolicy.last_layer` without a module: it stands for the model's final
+# trainable layer, which resolving the policy over the model's graph finds
+# (:func:`edgeadapt.sched.resolve.resolve_last_layer`); it matches no module path itself.
+LAST_LAYER = "<last layer>"
 
 
 class Mode(str, Enum):
@@ -135,9 +140,10 @@ class UpdatePolicy:
         return cls(default=Mode.FULL)
 
     @classmethod
-    def last_layer(cls, module: str = "head") -> UpdatePolicy:
-        """Only ``module`` (the classifier head by default) trains."""
-        return cls(rules=(Rule(module, Mode.FULL),))
+    def last_layer(cls, module: str | None = None) -> UpdatePolicy:
+        """Only ``module`` trains; by default the model's final trainable layer (the module whose
+        parameters lie nearest the output), found when the policy is resolved over the graph."""
+        return cls(rules=(Rule(LAST_LAYER if module is None else module, Mode.FULL),))
 
     @classmethod
     def bias_and_norm(cls) -> UpdatePolicy:
@@ -150,6 +156,17 @@ class UpdatePolicy:
         return cls(rules=(Rule(head, Mode.FULL), *(Rule(m, Mode.CHANNELS, ratio=ratio) for m in modules)))
 
     # ---- resolution ------------------------------------------------------------------
+    @property
+    def names_last_layer(self) -> bool:
+        """Whether a rule stands for the model's last layer (:data:`LAST_LAYER`), still to be found."""
+        return any(r.pattern == LAST_LAYER for r in self.rules)
+
+    def with_last_layer(self, pattern: str) -> UpdatePolicy:
+        """This policy with every :data:`LAST_LAYER` rule applied to the modules ``pattern`` matches."""
+        rules = tuple(Rule(pattern, r.mode, r.indices, r.ratio, r.types, r.params) if r.pattern == LAST_LAYER else r
+                      for r in self.rules)
+        return UpdatePolicy(rules, self.default)
+
     def rule_for(self, module_path: str, module_type: str, param: str | None = None) -> Rule | None:
         """The first rule deciding parameter ``param`` (a local name such as ``"weight"``) of the
         module at ``module_path``; ``None``: the default applies. With ``param=None``, the

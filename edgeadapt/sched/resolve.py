@@ -31,7 +31,7 @@ from .plan import Mode, ParamPlan, Plan
 from .policy import Rule, UpdatePolicy
 
 __all__ = ["resolve_channels", "resolve_params", "resolve_param_list", "plan_from_policy", "policy_of_plan",
-           "first_trained_op", "cut_of", "trained_bytes"]
+           "first_trained_op", "cut_of", "trained_bytes", "last_layer_modules", "resolve_last_layer"]
 
 
 def resolve_channels(rule: Rule, module_path: str, weight: np.ndarray | None, n_out: int | None = None) -> tuple[int, ...]:
@@ -167,6 +167,49 @@ def policy_of_plan(graph: Graph, plan: Plan) -> UpdatePolicy:
     return UpdatePolicy(tuple(rules), Mode.FROZEN)
 
 
+def last_layer_modules(graph: Graph) -> list[str]:
+    """The modules whose parameters lie nearest the output: walking back from every op whose output
+    no op reads, through ops that own no parameter (activations, pooling, reshapes), the first
+    parameter-owning op on each path. One module for a plain classifier; several when separate
+    layers feed the output (parallel heads, a residual around the last layer)."""
+    consumed = {src for op in graph.ops for src in op.inputs}
+    stack = [i for i, op in enumerate(graph.ops) if op.name not in consumed]
+    seen: set[int] = set()
+    modules: set[str] = set()
+    while stack:
+        i = stack.pop()
+        if i in seen:
+            continue
+        seen.add(i)
+        op = graph.ops[i]
+        if op.params:
+            modules.update(graph.param(p).module for p in op.params)
+        else:
+            stack.extend(graph.op_index(src) for src in op.inputs)
+    return sorted(modules)
+
+
+def resolve_last_layer(graph: Graph, policy: UpdatePolicy) -> UpdatePolicy:
+    """``policy`` with its last-layer rule (``UpdatePolicy.last_layer()``) applied to the model's
+    final trainable layer (:func:`last_layer_modules`); other policies are returned unchanged.
+
+    Raises:
+        ValueError: the graph has no single last layer; names the rule to write instead.
+    """
+    if not policy.names_last_layer:
+        return policy
+    modules = last_layer_modules(graph)
+    if len(modules) == 1:
+        return policy.with_last_layer(_pattern_of(modules[0]))
+    if not modules:
+        raise ValueError(f"the last-layer policy finds no parameter of {graph.name!r} on the way back from its "
+                         f"output; name the layer to train, e.g. --policy 'NAME=full' (a module path)")
+    named = ", ".join(repr(m) for m in modules)
+    raise ValueError(f"the last-layer policy cannot tell the last layer of {graph.name!r}: {named} all feed the "
+                     f"output; name it, e.g. --policy '{modules[-1]}=full' (or '{modules[0]}=full,{modules[-1]}=full'; "
+                     f"in Python UpdatePolicy.last_layer({modules[-1]!r}))")
+
+
 def resolve_params(graph: Graph, policy: UpdatePolicy, weights: dict[str, np.ndarray] | None = None) -> tuple[ParamPlan, ...]:
     """One :class:`ParamPlan` per graph parameter, in graph order (see :func:`resolve_param_list`)."""
     decided = resolve_param_list(graph.params, policy, weights)
@@ -221,6 +264,7 @@ def plan_from_policy(graph: Graph, policy: UpdatePolicy, *, weights: dict[str, n
         ValueError: the policy trains nothing in this graph (the message lists module paths),
             or a rule cannot be resolved.
     """
+    policy = resolve_last_layer(graph, policy)
     params = resolve_params(graph, policy, weights)
     if not any(p.trains for p in params):
         modules = sorted({p.module for p in graph.params})
