@@ -34,6 +34,8 @@ import base64
 import json
 import logging
 import math
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -53,6 +55,7 @@ __all__ = ["cmd_train", "load_trained"]
 logger = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
+INTERRUPTED = 130  # exit status after Ctrl-C (128 + SIGINT), as shells report it
 HOLD_OUT_K_PER_CLASS = 5
 
 
@@ -257,17 +260,56 @@ def cmd_train(args: argparse.Namespace, echo=print) -> int:
                  + ("optimizer state sharded over the ranks (ZeRO-1), " if trainer.shards_optimizer_state else "")
                  + f"global batch {source.global_batch_size}, steps {trainer.step_count}..{args.steps}")
         try:
-            _train_loop(trainer, source, args, run_dir, run_config, spec, ctx, echo)
+            return _train_loop(trainer, source, args, run_dir, run_config, spec, ctx, echo)
         finally:
             trainer.close()
-        return 0
+    except KeyboardInterrupt:  # before the first step, or a second Ctrl-C during one
+        if ctx.is_main:
+            echo(f"interrupted; nothing written after the last checkpoint in {run_dir / CHECKPOINTS}")
+        return INTERRUPTED
     finally:
         shutdown(ctx)
 
 
+class _StopAtStepBoundary:
+    """While active, Ctrl-C (SIGINT) asks the training loop to stop after the step in progress
+    (the loop reads :attr:`requested`); a second Ctrl-C interrupts at once. Only the main
+    thread can own signal handlers: elsewhere nothing is installed and Ctrl-C acts as usual."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = None
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self) -> _StopAtStepBoundary:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def _any_rank(flag: bool, ctx: DistContext) -> bool:
+    """Whether ``flag`` is set on any rank (every rank must stop at the same step)."""
+    if not ctx.is_distributed:
+        return flag
+    t = torch.tensor([float(flag)])
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def _train_loop(trainer, source, args: argparse.Namespace, run_dir: Path, run_config: dict, spec: dict,
-                ctx: DistContext, echo) -> None:
-    """Steps from the trainer's step to ``--steps``, with progress, checkpoints and the weights file."""
+                ctx: DistContext, echo) -> int:
+    """Steps from the trainer's step to ``--steps``, with progress, checkpoints and the weights file.
+
+    Returns the exit status: 0, or :data:`INTERRUPTED` when Ctrl-C stopped the run at a step
+    boundary (a checkpoint of the last completed step is written; ``--resume`` continues it)."""
     from tqdm.auto import tqdm
 
     budget = trainer.budget_bytes
@@ -279,17 +321,28 @@ def _train_loop(trainer, source, args: argparse.Namespace, run_dir: Path, run_co
     loss_value = float("nan")
     t0 = time.perf_counter()
     items = 0
-    for step in bar:
-        x, y = source.batch(step)
-        loss_value = _mean_over_ranks(float(trainer.step(x, y)), ctx)
-        items += source.items_per_step * ctx.world_size
-        rate = items / max(time.perf_counter() - t0, 1e-9)
-        status = f"loss {loss_value:.4f}, {rate:,.0f} {source.unit}/s, {_residency_text(trainer)}"
-        bar.set_postfix_str(status)
-        if ctx.is_main and not show_bar and ((step + 1 - start) % log_every == 0 or step + 1 == args.steps):
-            echo(f"step {step + 1}/{args.steps}: {status}")
-        if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < args.steps:
-            _save_checkpoint(trainer, run_dir, run_config, ctx)
+    saved_step = start
+    with _StopAtStepBoundary() as stop:
+        for step in bar:
+            x, y = source.batch(step)
+            loss_value = _mean_over_ranks(float(trainer.step(x, y)), ctx)
+            items += source.items_per_step * ctx.world_size
+            rate = items / max(time.perf_counter() - t0, 1e-9)
+            status = f"loss {loss_value:.4f}, {rate:,.0f} {source.unit}/s, {_residency_text(trainer)}"
+            bar.set_postfix_str(status)
+            if ctx.is_main and not show_bar and ((step + 1 - start) % log_every == 0 or step + 1 == args.steps):
+                echo(f"step {step + 1}/{args.steps}: {status}")
+            if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < args.steps:
+                _save_checkpoint(trainer, run_dir, run_config, ctx)
+                saved_step = step + 1
+            if step + 1 < args.steps and _any_rank(stop.requested, ctx):
+                bar.close()
+                if saved_step != step + 1:
+                    _save_checkpoint(trainer, run_dir, run_config, ctx)
+                if ctx.is_main:
+                    echo(f"interrupted: stopped after step {step + 1} of {args.steps}, checkpoint written to "
+                         f"{run_dir / CHECKPOINTS}; continue with the same command and --resume")
+                return INTERRUPTED
     bar.close()
     elapsed_s = time.perf_counter() - t0
     _save_checkpoint(trainer, run_dir, run_config, ctx)
@@ -302,3 +355,4 @@ def _train_loop(trainer, source, args: argparse.Namespace, run_dir: Path, run_co
     hint = _export_hint(run_dir, spec)
     if hint:
         echo(f"export it for the device: {hint}")
+    return 0
