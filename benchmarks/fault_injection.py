@@ -105,7 +105,7 @@ def make_cases(bundles: dict[str, Path], n_corrupt: int, seed: int) -> list[dict
 # ---- the worker: damage a copy, load and adapt it, report --------------------------------
 def _damage(case: dict, src: Path, dst: Path) -> bool:
     """Build the damaged copy; False when the damage changed nothing (random bytes equal the old)."""
-    from edgeadapt.bundle import sha256_file
+    from edgeadapt.bundle import MANIFEST_DIGEST_KEY, manifest_digest, sha256_file
 
     shutil.copytree(src, dst)
     target = dst / case["file"]
@@ -128,6 +128,7 @@ def _damage(case: dict, src: Path, dst: Path) -> bool:
         if kind == "rehashed":
             manifest = json.loads((dst / "manifest.json").read_text())
             manifest["sha256"][case["file"]] = sha256_file(target)
+            manifest[MANIFEST_DIGEST_KEY] = manifest_digest(manifest)  # a rehash covers the manifest's own digest
             (dst / "manifest.json").write_text(json.dumps(manifest))
     return True
 

@@ -2,7 +2,8 @@
 
 Torch-free: both the exporter and the on-device runner use it. A bundle is a directory::
 
-    manifest.json          schema version, tensor specs, loss, optimizer, policy, sha256 of every file
+    manifest.json          schema version, tensor specs, loss, optimizer, policy, sha256 of every file,
+                           and its own digest (``manifest_sha256``, see :func:`manifest_digest`)
     training_model.onnx    forward + loss + backward (ONNX Runtime training artifact)
     eval_model.onnx        forward + loss
     optimizer_model.onnx   the optimizer update
@@ -23,6 +24,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -34,6 +36,8 @@ from typing import Any
 import jsonschema
 
 from .atomic import atomic_write_json, directory_lock, sweep_stale_stages
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -58,6 +62,14 @@ __all__ = [
     "sweep_orphans",
     "bundle_lock",
     "MAX_LR",
+    "BACKENDS",
+    "BACKEND_FILE_ROLES",
+    "PORTABLE_GRAPH_ROLES",
+    "MAX_MANIFEST_BYTES",
+    "MAX_MANIFEST_DEPTH",
+    "MAX_TOTAL_NUMEL",
+    "MANIFEST_DIGEST_KEY",
+    "manifest_digest",
 ]
 
 
@@ -73,13 +85,42 @@ PARAMETER_MODES = ("frozen", "bias", "full", "channels")
 FILE_ROLES = ("training_model", "eval_model", "optimizer_model", "checkpoint", "masks")
 # Present iff the plan caches the frozen prefix's features (plan.cut >= 0 and plan.cache_features).
 OPTIONAL_FILE_ROLES = ("prefix_model",)
+# The training engines a bundle can hold, and the files each one needs besides the shared ones
+# (masks, prefix_model). "portable": step graphs in standard ONNX ops for stock onnxruntime;
+# portable_stats is present iff batchnorm == "batch".
+BACKENDS = ("ort-training", "portable")
+BACKEND_FILE_ROLES = {
+    "ort-training": ("training_model", "eval_model", "optimizer_model", "checkpoint"),
+    "portable": ("portable_train", "portable_eval", "portable_optimizer", "portable_state"),
+}
+PORTABLE_STATS_ROLE = "portable_stats"
+SHARED_FILE_ROLES = ("masks", "prefix_model")
+# The portable graphs' inputs and outputs, by role: a tensor role is "<kind>:<onnx name>".
+PORTABLE_GRAPH_ROLES = ("portable_train", "portable_eval", PORTABLE_STATS_ROLE, "portable_optimizer")
+PORTABLE_IO_PLAIN = ("data", "labels", "weights", "loss", "output", "decay", "step_size",
+                     "bias_correction2_sqrt", "lr")
+PORTABLE_IO_KINDS = ("param", "grad", "stat", "exp_avg", "exp_avg_sq")
 DTYPES = ("float32", "float64", "int64", "int32")
 
 # Bounds on what a manifest may carry: a bundle is untrusted input (see docs/bundle-trust.md).
 MAX_LR = 10.0
-MAX_MANIFEST_BYTES = 64 << 20
+# A manifest of the largest reference model with its plan and graph is ~100 KiB: 16 MiB leaves
+# room for models of thousands of ops and bounds the parse to well under a second.
+MAX_MANIFEST_BYTES = 16 << 20
+# Nesting depth of the manifest's JSON (exported ones reach ~8): checked on the raw text, before
+# the parser or the schema validator recurse.
+MAX_MANIFEST_DEPTH = 32
+# Parameter elements a bundle may declare in all (1 GiB of float32, far beyond a device model):
+# the file-size limits derive from this count, so an absurd claim is refused before any file is
+# hashed.
+MAX_TOTAL_NUMEL = 1 << 28
+# The manifest's own digest (see manifest_digest), a top-level key of manifest.json.
+MANIFEST_DIGEST_KEY = "manifest_sha256"
 _MAX_DIM = 1 << 31
 _MAX_COUNT = 1 << 62
+# Largest step or epoch counter a loaded manifest may carry: far beyond any run, and far enough
+# below _MAX_COUNT (the bound at save) that adapting a loaded bundle can always be saved.
+_MAX_LOADED_COUNT = 1 << 53
 # A member name is one plain file name: no directories, no "..", nothing hidden.
 _MEMBER_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]{0,199}")
 # ONNX metadata key under which the exporter stores :func:`contract_digest` in every graph.
@@ -101,20 +142,52 @@ _TENSOR_SCHEMA = {
     },
 }
 _UNIT = {"type": "number", "minimum": 0, "maximum": 1}
+_IO_LIST = {
+    "type": "array", "maxItems": 1 << 16,
+    "items": {"type": "array", "minItems": 2, "maxItems": 2, "prefixItems": [
+        {"type": "string", "maxLength": 1024,
+         "pattern": "^((" + "|".join(PORTABLE_IO_KINDS) + "):.+|" + "|".join(PORTABLE_IO_PLAIN) + ")$"},
+        {"type": "string", "maxLength": 1024}]},
+}
+_PORTABLE_SCHEMA = {
+    "type": "object",
+    "required": ["opset", "graphs"],
+    "additionalProperties": False,
+    "properties": {
+        "opset": {"type": "integer", "minimum": 1, "maximum": 1000},
+        "graphs": {
+            "type": "object",
+            "propertyNames": {"enum": list(PORTABLE_GRAPH_ROLES)},
+            "additionalProperties": {"type": "object", "required": ["inputs", "outputs"], "additionalProperties": False,
+                                     "properties": {"inputs": _IO_LIST, "outputs": _IO_LIST}},
+        },
+        # Whether the train graph carries out the plan's recomputed activations (false: it keeps
+        # every activation the backward reads; the plan's recompute applies to ort-training only).
+        "recompute": {"type": "boolean"},
+    },
+}
 
 MANIFEST_SCHEMA: dict[str, Any] = {
     "type": "object",
+    "additionalProperties": False,
     "required": [
-        "schema_version", "format", "backend", "files", "sha256", "input", "output", "label",
+        "schema_version", "format", "files", "sha256", "input", "output", "label",
         "loss", "optimizer", "batchnorm", "policy", "parameters", "versions", "session", "state",
     ],
     "properties": {
         "schema_version": {"const": SCHEMA_VERSION},
+        MANIFEST_DIGEST_KEY: {"type": "string", "pattern": "^[0-9a-f]{64}$"},
         "format": {"const": "edgeadapt.bundle"},
+        # Bundles written before the portable backend carry "backend": "ort-training" and no
+        # "backends"; newer ones list the engines they hold (Manifest.backends).
         "backend": {"enum": ["ort-training"]},
+        "backends": {"type": "array", "minItems": 1, "uniqueItems": True, "items": {"enum": list(BACKENDS)}},
+        "portable": _PORTABLE_SCHEMA,
         "files": {
             "type": "object",
-            "required": list(FILE_ROLES),
+            "required": ["masks"],
+            "propertyNames": {"enum": [*FILE_ROLES, *OPTIONAL_FILE_ROLES, *BACKEND_FILE_ROLES["portable"],
+                                       PORTABLE_STATS_ROLE]},
             "additionalProperties": {"type": "string"},
         },
         "sha256": {"type": "object", "additionalProperties": {"type": "string", "pattern": "^[0-9a-f]{64}$"}},
@@ -171,7 +244,9 @@ MANIFEST_SCHEMA: dict[str, Any] = {
         },
         # Optional (bundles written before the scheduler lack them): the sched Plan.to_dict() plus
         # "predicted_peak_bytes", and the sched Graph.to_dict() of the whole exported model.
-        "plan": {"type": "object", "required": ["plan_version", "params", "cut"]},
+        "plan": {"type": "object", "required": ["plan_version", "params", "cut"],
+                 "properties": {"micro_batch_windows": {"type": ["integer", "null"], "minimum": 1,
+                                                        "maximum": _MAX_DIM}}},
         "graph": {"type": "object", "required": ["ops", "params", "input_bytes"]},
         "state": {
             "type": "object",
@@ -274,9 +349,13 @@ class Manifest:
     versions: dict[str, str]
     state: dict[str, Any] = field(default_factory=lambda: {"epoch": 0, "step": 0})
     session: dict[str, Any] = field(default_factory=lambda: {"enable_mem_pattern": True})
-    backend: str = "ort-training"
     plan: dict[str, Any] | None = None
     graph: dict[str, Any] | None = None
+    backends: tuple[str, ...] = ("ort-training",)
+    portable: dict[str, Any] | None = None
+    # Written before bundles listed their backends ("backend": "ort-training"): serialised and
+    # digested as it was written, so its graphs' contract stamps still match.
+    legacy_backend_key: bool = False
 
     def __post_init__(self) -> None:
         # Runs on every construction and dataclasses.replace(): a manifest naming a path outside
@@ -292,6 +371,10 @@ class Manifest:
         names = [p.name for p in self.parameters]
         if len(set(names)) != len(names):
             raise BundleError("manifest.json: parameter names repeat")
+        self._check_backend_files()
+        if (total := self.total_numel) > MAX_TOTAL_NUMEL:
+            raise BundleError(f"manifest.json: the parameters hold {total} elements in all, more than a bundle may "
+                              f"({MAX_TOTAL_NUMEL}); the manifest was edited or damaged - re-export the bundle")
         for p in self.parameters:
             if p.trainable_numel > math.prod(p.shape):
                 raise BundleError(
@@ -301,11 +384,41 @@ class Manifest:
             if p.mode == "frozen" and p.trainable_numel:
                 raise BundleError(f"manifest.json: parameter {p.name} is frozen but has trainable elements")
 
+    def _check_backend_files(self) -> None:
+        """Each listed backend's files are present, no other backend's are, and a portable
+        bundle records its graphs' interfaces."""
+        if not self.backends or len(set(self.backends)) != len(self.backends) or set(self.backends) - set(BACKENDS):
+            raise BundleError(f"manifest.json: backends {list(self.backends)} must be distinct values of {list(BACKENDS)}")
+        if self.legacy_backend_key and tuple(self.backends) != ("ort-training",):
+            raise BundleError("manifest.json: a bundle with the old 'backend' key holds only the ort-training backend")
+        want = {role for b in self.backends for role in BACKEND_FILE_ROLES[b]}
+        if "portable" in self.backends and self.batch_statistics:
+            want.add(PORTABLE_STATS_ROLE)
+        allowed = want | set(SHARED_FILE_ROLES)
+        missing, extra = sorted(want - set(self.files)), sorted(set(self.files) - allowed)
+        if missing or extra or "masks" not in self.files:
+            raise BundleError(
+                f"manifest.json: backends {list(self.backends)} need files {sorted(want | {'masks'})}"
+                f"{f', missing {missing}' if missing else ''}{f', not expected {extra}' if extra else ''}; "
+                "the manifest was edited or damaged - re-export the bundle")
+        if ("portable" in self.backends) != (self.portable is not None):
+            raise BundleError("manifest.json: 'portable' (the portable graphs' interfaces) must be present exactly "
+                              "when backends lists portable; re-export the bundle")
+        if self.portable is not None:
+            graphs = set(self.portable["graphs"])
+            need = {r for r in PORTABLE_GRAPH_ROLES if r in self.files}
+            if graphs != need:
+                raise BundleError(f"manifest.json: portable.graphs describes {sorted(graphs)}, the files are "
+                                  f"{sorted(need)}; re-export the bundle")
+
     def to_dict(self) -> dict[str, Any]:
+        backends = ({"backend": "ort-training"} if self.legacy_backend_key
+                    else {"backends": list(self.backends),
+                          **({"portable": self.portable} if self.portable is not None else {})})
         return {
             "schema_version": SCHEMA_VERSION,
             "format": "edgeadapt.bundle",
-            "backend": self.backend,
+            **backends,
             "files": dict(self.files),
             "sha256": dict(self.sha256),
             "input": self.input.to_dict(),
@@ -345,10 +458,16 @@ class Manifest:
             versions=d["versions"],
             state=d["state"],
             session=d["session"],
-            backend=d["backend"],
             plan=d.get("plan"),
             graph=d.get("graph"),
+            backends=tuple(d.get("backends", ["ort-training"])),
+            portable=d.get("portable"),
+            legacy_backend_key="backends" not in d,
         )
+
+    def has_backend(self, backend: str) -> bool:
+        """Whether the bundle holds the graphs and state of ``backend`` (one of :data:`BACKENDS`)."""
+        return backend in self.backends
 
     @property
     def has_prefix(self) -> bool:
@@ -429,7 +548,9 @@ def file_size_limits(manifest: Manifest) -> dict[str, int]:
     for name in manifest.sha256:
         limits[name] = (64 << 20) + 2 * params_bytes
     files = manifest.files
-    limits[files["checkpoint"]] = (1 << 20) + 2 * 8 * (manifest.total_numel + manifest.optimizer_state_numel)
+    for role in ("checkpoint", "portable_state"):
+        if role in files:
+            limits[files[role]] = (1 << 20) + 2 * 8 * (manifest.total_numel + manifest.optimizer_state_numel)
     limits[files["masks"]] = (64 << 10) + sum(512 + (p.shape[0] if p.shape else 1) for p in manifest.parameters)
     return limits
 
@@ -438,24 +559,62 @@ def _reject_constant(token: str) -> float:
     raise ValueError(f"{token} is not a JSON number")
 
 
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+
+
+def _nesting_depth(raw: bytes) -> int:
+    """Deepest nesting of ``[``/``{`` in JSON text, brackets inside strings not counted; linear
+    and non-recursive, so it is safe to run before the parser."""
+    import numpy as np
+
+    codes = np.frombuffer(_JSON_STRING.sub(b'""', raw), dtype=np.uint8)
+    steps = (codes == ord("[")).astype(np.int64) + (codes == ord("{")) - (codes == ord("]")) - (codes == ord("}"))
+    return int(steps.cumsum().max(initial=0))
+
+
 def _manifest_text(path: Path) -> str:
     size = path.stat().st_size
     if size > MAX_MANIFEST_BYTES:
         raise BundleError(f"{path} is {size} bytes, more than any manifest needs ({MAX_MANIFEST_BYTES}); "
                           "the bundle is damaged")
+    raw = path.read_bytes()
+    if len(raw) > MAX_MANIFEST_BYTES:  # grew after stat
+        raise BundleError(f"{path} is larger than any manifest needs ({MAX_MANIFEST_BYTES} bytes); the bundle is damaged")
+    if (depth := _nesting_depth(raw)) > MAX_MANIFEST_DEPTH:
+        raise BundleError(f"{path} nests {depth} levels deep, more than any manifest needs ({MAX_MANIFEST_DEPTH}); "
+                          "the bundle is damaged - re-export it or restore a copy")
     try:
-        return path.read_bytes().decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise BundleError(f"{path} is not UTF-8 text (byte {e.start}); the bundle is damaged - "
                           "re-export it or restore a copy") from None
 
 
+def manifest_digest(d: dict[str, Any]) -> str:
+    """sha256 of a manifest's canonical JSON (keys sorted, no spaces, ASCII), its own
+    :data:`MANIFEST_DIGEST_KEY` left out.
+
+    :func:`write_manifest` stores it in the manifest, :func:`read_manifest` recomputes it, so any
+    change to ``manifest.json`` after it was written (damage, or an edit by hand) is refused. It
+    proves integrity, not authorship: whoever edits the manifest can recompute it (see
+    ``docs/bundle-trust.md``).
+    """
+    rest = {k: v for k, v in d.items() if k != MANIFEST_DIGEST_KEY}
+    text = json.dumps(rest, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def read_manifest(bundle_dir: str | os.PathLike, *, verify: bool = True) -> Manifest:
     """Load and validate ``manifest.json``; with ``verify`` also check every file's sha256.
 
+    The text is bounded (size, nesting depth) before it is parsed; its own digest
+    (:func:`manifest_digest`) is checked before any field is used. A manifest without a digest
+    (written before manifests carried one) is accepted.
+
     Raises:
-        BundleError: the directory is not a bundle, the manifest is malformed or names a file
-            outside the bundle, a file is missing or too large, or a checksum does not match.
+        BundleError: the directory is not a bundle, the manifest is too large, too deep,
+            malformed, altered after it was written, or names a file outside the bundle, a
+            file is missing or too large, or a checksum does not match.
     """
     bundle_dir = Path(bundle_dir)
     path = bundle_dir / MANIFEST_NAME
@@ -476,7 +635,24 @@ def read_manifest(bundle_dir: str | os.PathLike, *, verify: bool = True) -> Mani
             f"{path} has schema_version {str(raw.get('schema_version'))[:40]}, this edgeadapt reads "
             f"{SCHEMA_VERSION}; re-export the bundle with this version"
         )
+    if isinstance(raw, dict) and MANIFEST_DIGEST_KEY in raw:
+        try:
+            digest = manifest_digest(raw)
+        except ValueError as e:  # a float too large for JSON (1e400 parses as inf)
+            raise BundleError(f"{path} is not valid JSON: {e}") from None
+        if raw[MANIFEST_DIGEST_KEY] != digest:
+            raise BundleError(
+                f"{path} was changed after it was written (its {MANIFEST_DIGEST_KEY} is "
+                f"{str(raw[MANIFEST_DIGEST_KEY])[:12]}..., its content hashes to {digest[:12]}...); the bundle "
+                "was modified or damaged - re-export it or restore a copy"
+            )
+    elif isinstance(raw, dict):
+        log.info("%s: written before manifests carried their own digest; damage to it cannot be detected", path)
     manifest = Manifest.from_dict(raw)
+    for key in ("step", "epoch"):
+        if manifest.state[key] > _MAX_LOADED_COUNT:
+            raise BundleError(f"{path}: state.{key} is {manifest.state[key]}, beyond any real run (at most "
+                              f"{_MAX_LOADED_COUNT}); the bundle is damaged - re-export it or restore a copy")
     for role, name in manifest.files.items():
         member_path(bundle_dir, name, f"files.{role}")
     if verify:
@@ -520,17 +696,30 @@ def contract_digest(manifest: Manifest) -> str:
     The exporter stores it in every ONNX graph's metadata (:data:`CONTRACT_KEY`), which the
     sha256 of the graphs covers; the runner recomputes it, so an edit of those fields in
     ``manifest.json`` alone is refused.
+
+    A bundle that lists its backends leaves out what a save by one backend changes when it drops
+    the other's files: ``backends``, ``portable`` and the backends' own file roles (the runner
+    checks each graph's interface against the manifest at load instead). A bundle written before
+    that (``"backend": "ort-training"``) is digested as it always was.
     """
     d = manifest.to_dict()
     for key in _MUTABLE_FIELDS:
         d.pop(key, None)
-    d["files"] = {role: name for role, name in d["files"].items() if role != "checkpoint"}
+    if manifest.legacy_backend_key:
+        d["files"] = {role: name for role, name in d["files"].items() if role != "checkpoint"}
+    else:
+        d.pop("backends")
+        d.pop("portable", None)
+        d["files"] = {role: name for role, name in d["files"].items() if role in SHARED_FILE_ROLES}
     return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-# Files a save writes besides the manifest's members: checkpoints and the temp files of
-# edgeadapt.atomic (".<name>.<random>.tmp").
-_ORPHAN_FILE = re.compile(r"checkpoint(-\d+-[0-9a-f]+)?|\.(checkpoint(-\d+-[0-9a-f]+)?|manifest\.json)\.\w+\.tmp")
+# Files a save writes besides the manifest's members: checkpoints, portable states, the temp
+# files of edgeadapt.atomic (".<name>.<random>.tmp"), and the graphs of a backend a save dropped.
+_STATE_FILE = r"(checkpoint|portable_state)(-\d+-[0-9a-f]+)?(\.npz)?"
+_ORPHAN_FILE = re.compile(
+    rf"{_STATE_FILE}|\.({_STATE_FILE}|manifest\.json)\.\w+\.tmp"
+    r"|(training|eval|optimizer)_model\.onnx|portable_(train|eval|stats|optimizer)\.onnx")
 
 
 def sweep_orphans(bundle_dir: str | os.PathLike, manifest: Manifest) -> list[str]:
@@ -562,5 +751,11 @@ def bundle_lock(bundle_dir: str | os.PathLike, *, exclusive: bool, blocking: boo
 def write_manifest(bundle_dir: str | os.PathLike, manifest: Manifest) -> None:
     """Validate and write ``manifest.json`` atomically."""
     d = manifest.to_dict()
-    _validate(d)
+    try:
+        _validate(d)
+    except jsonschema.ValidationError as e:
+        where = "/".join(str(p) for p in e.absolute_path) or "<root>"
+        raise BundleError(f"{Path(bundle_dir) / MANIFEST_NAME}: not written, the manifest would be invalid at "
+                          f"{where}: {e.message[:300]}") from None
+    d[MANIFEST_DIGEST_KEY] = manifest_digest(d)
     atomic_write_json(Path(bundle_dir) / MANIFEST_NAME, d)

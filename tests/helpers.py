@@ -207,7 +207,7 @@ def strip_plan(src: Path, dst: Path) -> None:
 
     shutil.copytree(src, dst)
     raw = json.loads((dst / "manifest.json").read_text())
-    raw.pop("plan", None), raw.pop("graph", None)
+    raw.pop("plan", None), raw.pop("graph", None), raw.pop("manifest_sha256", None)
     for role in ("training_model", "eval_model", "optimizer_model"):
         path = dst / raw["files"][role]
         model = onnx.load(path)

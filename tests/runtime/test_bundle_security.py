@@ -12,7 +12,7 @@ import onnx
 import pytest
 from helpers import make_data
 
-from edgeadapt.bundle import CONTRACT_KEY, BundleError, read_manifest, sha256_file
+from edgeadapt.bundle import CONTRACT_KEY, MANIFEST_DIGEST_KEY, BundleError, manifest_digest, read_manifest, sha256_file
 from edgeadapt.runtime import InputError, Runner
 
 
@@ -24,8 +24,10 @@ def bundle(cnn_bundle, tmp_path):
 
 
 def _edit_manifest(bundle, edit) -> None:
+    """Edit manifest.json as someone who also recomputes its own digest would."""
     m = json.loads((bundle / "manifest.json").read_text())
     edit(m)
+    m[MANIFEST_DIGEST_KEY] = manifest_digest(m)
     (bundle / "manifest.json").write_text(json.dumps(m))
 
 
@@ -141,6 +143,7 @@ def test_numbers_are_bounded(bundle, field, value, match):
     text = (bundle / "manifest.json").read_text()
     m = json.loads(text)
     m["optimizer"][field] = value
+    m[MANIFEST_DIGEST_KEY] = manifest_digest(m)
     raw = json.dumps(m).replace('"NaN"', "NaN")
     (bundle / "manifest.json").write_text(raw)
     with pytest.raises(BundleError, match=match):
@@ -230,3 +233,102 @@ def test_bad_learning_rates_are_refused_before_any_step(bundle, lr):
         runner.adapt(*make_data(np.random.default_rng(0), n=8), lr=lr, progress=False)
     after = runner.parameters(trainable_only=True)
     assert runner.step == 0 and all(np.array_equal(before[k], after[k]) for k in before)
+
+
+# ---- the manifest itself: bounded before parsing, covered by its own digest ------------------
+def _write_with(bundle, edit, placeholder_value: str, *, reseal: bool = True) -> None:
+    """Write the manifest with ``"PLACEHOLDER"`` (set by ``edit``) replaced by raw JSON text (the
+    digest, when resealed, covers the placeholder: for checks that come before the digest's)."""
+    m = json.loads((bundle / "manifest.json").read_text())
+    edit(m)
+    if reseal:
+        m[MANIFEST_DIGEST_KEY] = manifest_digest(m)
+    (bundle / "manifest.json").write_text(json.dumps(m).replace('"PLACEHOLDER"', placeholder_value))
+
+
+def test_an_oversized_manifest_is_refused_before_parsing(bundle, monkeypatch):
+    from edgeadapt.bundle import MAX_MANIFEST_BYTES
+
+    _write_with(bundle, lambda m: m.__setitem__("notes", "PLACEHOLDER"), '"' + "x" * MAX_MANIFEST_BYTES + '"')
+    monkeypatch.setattr(json, "loads", lambda *a, **k: pytest.fail("the manifest was parsed"))
+    with pytest.raises(BundleError, match=r"manifest\.json is \d+ bytes, more than any manifest needs"):
+        read_manifest(bundle)
+
+
+def test_a_deeply_nested_manifest_is_refused_before_parsing(bundle):
+    _write_with(bundle, lambda m: m.__setitem__("policy", "PLACEHOLDER"), "[" * 990 + "]" * 990, reseal=False)
+    with pytest.raises(BundleError, match=r"manifest\.json nests 991 levels deep, more than any manifest needs"):
+        Runner.load(bundle)
+
+
+def test_brackets_inside_strings_do_not_count_as_nesting(bundle):
+    _edit_manifest(bundle, lambda m: m["versions"].__setitem__("note", "[[[{{" * 100 + '\\"]' * 3))
+    assert read_manifest(bundle).versions["note"].startswith("[[[{{")
+
+
+def test_an_unknown_manifest_key_is_refused(bundle):
+    _edit_manifest(bundle, lambda m: m.__setitem__("notes", "x" * 1000))
+    with pytest.raises(BundleError, match=r"invalid at <root>: Additional properties are not allowed \('notes'"):
+        read_manifest(bundle, verify=False)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda m: m["state"].__setitem__("step", 7),
+    lambda m: m["versions"].__setitem__("onnxruntime", "9.9"),
+    lambda m: m["sha256"].__setitem__("checkpoint", "0" * 64),
+])
+def test_a_manifest_changed_after_writing_is_refused(bundle, edit):
+    m = json.loads((bundle / "manifest.json").read_text())
+    edit(m)  # not resealed: damage, or an edit by hand
+    (bundle / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(BundleError, match=r"manifest\.json was changed after it was written"):
+        read_manifest(bundle, verify=False)
+
+
+def test_every_save_reseals_the_manifest(bundle):
+    runner = Runner.load(bundle)
+    runner.adapt(*make_data(np.random.default_rng(0), n=8), epochs=1, batch_size=4, progress=False)
+    runner.save()
+    raw = json.loads((bundle / "manifest.json").read_text())
+    assert raw[MANIFEST_DIGEST_KEY] == manifest_digest(raw) and raw["state"]["step"] == 2
+    assert Runner.load(bundle).step == 2
+
+
+def test_absurd_parameter_shapes_are_refused_before_any_file_is_read(bundle, monkeypatch):
+    import edgeadapt.bundle as bundle_mod
+
+    _edit_manifest(bundle, lambda m: m["parameters"][0].__setitem__("shape", [1 << 31] * 3))
+    with open(bundle / "checkpoint", "ab") as f:
+        f.truncate(1 << 34)  # sparse: what the claimed shape would allow the checkpoint to be
+    monkeypatch.setattr(bundle_mod, "sha256_file", lambda p, *a: pytest.fail(f"{p} was hashed"))
+    with pytest.raises(BundleError, match="elements in all, more than a bundle may"):
+        Runner.load(bundle)
+
+
+def test_counters_near_the_limit_are_refused_at_load_not_at_save(bundle):
+    _edit_manifest(bundle, lambda m: m["state"].__setitem__("step", 1 << 62))
+    with pytest.raises(BundleError, match=r"state\.step is 4611686018427387904, beyond any real run"):
+        Runner.load(bundle)
+
+
+def test_an_invalid_manifest_is_never_written(bundle, tmp_path):
+    import dataclasses
+
+    from edgeadapt.bundle import write_manifest
+
+    manifest = dataclasses.replace(read_manifest(bundle), state={"epoch": 0, "step": (1 << 62) + 1})
+    before = (bundle / "manifest.json").read_bytes()
+    with pytest.raises(BundleError, match=r"not written, the manifest would be invalid at state/step"):
+        write_manifest(bundle, manifest)
+    assert (bundle / "manifest.json").read_bytes() == before
+
+
+@pytest.mark.parametrize("value", ["[1]", '"x"', "0", "1e400", "2.5"])
+def test_bad_micro_batch_in_the_plan_is_refused_at_load(bundle, value):
+    _strip_digest(bundle)  # even a bundle whose graphs carry no settings digest
+    if value == "1e400":  # parses as inf, which no digest can be computed over
+        _write_with(bundle, lambda m: m["plan"].__setitem__("micro_batch_windows", "PLACEHOLDER"), value, reseal=False)
+    else:
+        _edit_manifest(bundle, lambda m: m["plan"].__setitem__("micro_batch_windows", json.loads(value)))
+    with pytest.raises(BundleError, match=r"manifest\.json (is invalid at plan/micro_batch_windows|is not valid JSON)"):
+        Runner.load(bundle)
