@@ -12,6 +12,12 @@ Torch-free: both the exporter and the on-device runner use it. A bundle is a dir
     prefix_model.onnx      optional: the frozen prefix up to the plan's cut as a plain inference
                            model (``input`` -> ``features``); the training and eval models then
                            take ``features`` as their input
+    portable_*.onnx        the portable backend (stock onnxruntime): train / eval / [stats] /
+    portable_state.npz     optimizer step graphs and the parameter + optimizer state they read
+
+The manifest's ``backends`` lists which of the two engines' files the bundle holds ("ort-training":
+the first four files above; "portable": the portable_* files, whose graph inputs and outputs
+``portable`` records by role); masks and the prefix model serve both.
 
 The manifest names the current checkpoint file. Updating a bundle in place writes a new
 checkpoint file, then replaces the manifest atomically, then deletes the old checkpoint, so a
@@ -169,6 +175,7 @@ _PORTABLE_SCHEMA = {
 
 MANIFEST_SCHEMA: dict[str, Any] = {
     "type": "object",
+    "not": {"required": ["backend", "backends"]},
     "additionalProperties": False,
     "required": [
         "schema_version", "format", "files", "sha256", "input", "output", "label",
