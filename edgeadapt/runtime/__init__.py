@@ -9,7 +9,7 @@ from . import ort_import  # noqa: F401
 # isort: split
 from ..bundle import BundleError, Manifest, read_manifest
 from .device import DEVICES
-from .errors import DeviceUnavailableError, InputError, NonFiniteLossError
+from .errors import DeviceUnavailableError, InputError, NonFiniteLossError, NonFiniteStateError, NonFiniteUpdateError
 from .runner import SCHEDULES, AdaptResult, EvalResult, Runner
 
 __all__ = [
@@ -22,6 +22,8 @@ __all__ = [
     "InputError",
     "DeviceUnavailableError",
     "NonFiniteLossError",
+    "NonFiniteUpdateError",
+    "NonFiniteStateError",
     "DEVICES",
     "SCHEDULES",
 ]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from ..bundle import BundleError
 
-__all__ = ["BundleError", "InputError", "DeviceUnavailableError", "NonFiniteLossError"]
+__all__ = ["BundleError", "InputError", "DeviceUnavailableError", "NonFiniteLossError", "NonFiniteUpdateError",
+           "NonFiniteStateError"]
 
 
 class InputError(ValueError):
@@ -28,10 +29,47 @@ class NonFiniteLossError(FloatingPointError):
     def __init__(self, step: int, loss: float, restored_step: int | None = None):
         self.step, self.loss = step, loss
         self.restored_step = step if restored_step is None else restored_step
-        kept = ("the update of that step was not applied" if restored_step is None else
-                f"the runner rolled back to step {restored_step}, the start of that epoch, with "
-                "its parameters and optimizer state")
-        super().__init__(
-            f"loss became {loss} at step {step}; {kept}. Lower the learning rate or check the "
-            "data for extreme values (normalise it as the source model was trained)"
-        )
+        super().__init__(f"loss became {loss} at step {step}; {self._kept(restored_step)}. {self._advice}")
+
+    _advice = ("Lower the learning rate or check the data for extreme values (normalise it as the source "
+               "model was trained)")
+
+    @staticmethod
+    def _kept(restored_step: int | None, applied: bool = False) -> str:
+        if restored_step is not None:
+            return (f"the runner rolled back to step {restored_step}, the start of that epoch, with its "
+                    "parameters and optimizer state")
+        if applied:
+            return ("the update was applied, so this runner's state is unusable (save refuses it): load "
+                    "the bundle again")
+        return "the update of that step was not applied"
+
+    def rolled_back(self, restored_step: int) -> NonFiniteLossError:
+        """The same failure, reported after a rollback to ``restored_step``."""
+        return NonFiniteLossError(self.step, self.loss, restored_step)
+
+
+class NonFiniteUpdateError(NonFiniteLossError):
+    """A training step's loss was finite but its update was not: a gradient too large for the
+    optimizer's state (not applied), or a trained value that became non-finite or too large to
+    save (applied; :meth:`Runner.adapt` then rolls back as for a non-finite loss).
+
+    Attributes:
+        reason: which tensor, and what it reached.
+        applied: whether the update was applied (only a bare :meth:`Runner.train_step` leaves it so).
+    """
+
+    def __init__(self, step: int, loss: float, reason: str, applied: bool, restored_step: int | None = None):
+        self.step, self.loss, self.reason, self.applied = step, loss, reason, applied
+        self.restored_step = step if restored_step is None else restored_step
+        FloatingPointError.__init__(
+            self, f"the update of step {step} (loss {loss:.4g}) is not finite: {reason}; "
+                  f"{self._kept(restored_step, applied)}. {self._advice}")
+
+    def rolled_back(self, restored_step: int) -> NonFiniteUpdateError:
+        return NonFiniteUpdateError(self.step, self.loss, self.reason, self.applied, restored_step)
+
+
+class NonFiniteStateError(ValueError):
+    """The runner holds a trained value that is non-finite or too large to load again; nothing is
+    saved from such a state."""

@@ -32,11 +32,12 @@ from tqdm.auto import tqdm
 from ..atomic import atomic_path, staged_directory
 from ..bundle import BundleError, Manifest, bundle_lock, read_manifest, sha256_file, sweep_orphans, write_manifest
 from .backend import OrtTrainingBackend, TrainingBackend
-from .errors import DeviceUnavailableError, NonFiniteLossError
+from .errors import DeviceUnavailableError, NonFiniteLossError, NonFiniteStateError, NonFiniteUpdateError
+from .finite import SQUARE_SAFE_LIMIT, first_out_of_range
 from .peaks import AdaptPeaks
 from .rollback import EpochValues
 from .features import PrefixModel, merge_inference, open_prefix, suffix_inputs
-from ..onnx_guard import check_bundle_models, check_checkpoint_values
+from ..onnx_guard import MAX_ABS_VALUE, check_bundle_models, check_checkpoint_values
 from .validate import check_inputs, check_labels, check_learning_rate
 
 __all__ = ["Runner", "AdaptResult", "EvalResult", "SCHEDULES"]
@@ -219,6 +220,9 @@ class Runner:
 
         Raises:
             NonFiniteLossError: the loss is NaN/inf; the update is not applied.
+            NonFiniteUpdateError: a gradient too large for the optimizer state (not applied), or
+                the update made a trained value non-finite or larger than loading accepts
+                (applied: the runner is then unusable, :meth:`save` refuses it).
             ValueError: ``micro_batch`` < the batch on a batch-statistics BatchNorm bundle.
         """
         step_lr = check_learning_rate(self.learning_rate if lr is None else lr)
@@ -254,6 +258,10 @@ class Runner:
         by ``w_prev / w_i``, and after the last slice by ``w_last``. Equal slices therefore cost
         one rescale per step, and one slice (no micro-batching) none: then the step is exactly
         the plain one.
+
+        The update is checked on both sides (bounds in :mod:`.finite`): the gradients before it
+        (one too large for the optimizer state: the update is not applied) and the values
+        training changes after it.
         """
         n = len(x)
         loss_sum, prev_w = 0.0, None
@@ -270,10 +278,19 @@ class Runner:
             loss_sum += loss * size
             prev_w = w
         self._backend.scale_gradients(prev_w)
+        loss = loss_sum / n
+        trained = self._backend.parameter_names(trainable_only=True)
+        if bad := first_out_of_range(self._backend.get_gradient, trained, SQUARE_SAFE_LIMIT):
+            self._backend.discard_gradients()
+            raise NonFiniteUpdateError(self.step, loss, f"the gradient of {bad[0]} reached {bad[1]:.3g} (the "
+                                       f"optimizer state overflows above {SQUARE_SAFE_LIMIT:.3g})", applied=False)
         self._backend.apply_update(lr)
         self._clean_checkpoint = None
+        if bad := first_out_of_range(self._backend.get_tensor, self._mutable_tensors(), MAX_ABS_VALUE):
+            raise NonFiniteUpdateError(self.step, loss, f"{bad[0]} reached {bad[1]:.3g} (loading accepts at most "
+                                       f"{MAX_ABS_VALUE:g})", applied=True)
         self.step += 1
-        return loss_sum / n
+        return loss
 
     def adapt(
         self, X: np.ndarray, y: np.ndarray | None = None, *, epochs: int = 1, batch_size: int = 32,
@@ -286,7 +303,8 @@ class Runner:
         (gradient buffers, optimizer state) opens inside the first call, so the call's measured
         memory covers it.
 
-        A non-finite loss stops with :class:`NonFiniteLossError` after rolling parameters *and*
+        A non-finite loss, or a non-finite update (:class:`NonFiniteUpdateError`, see
+        :meth:`train_step`), stops with :class:`NonFiniteLossError` after rolling parameters *and*
         optimizer state back to the start of the failing epoch. No checkpoint is written per
         epoch: the runner keeps a copy of the values that training changes (the trained tensors
         and, with batch-statistics BatchNorm, the running statistics), and on failure re-opens
@@ -360,7 +378,7 @@ class Runner:
                             loss = self._step(_Rows(X, idx), _Rows.of(y, idx), step_lr(done), micro)
                     except NonFiniteLossError as err:
                         self._roll_back(source, call_start, e, batches, step_lr, X, y, micro, kept)
-                        raise NonFiniteLossError(err.step, err.loss, restored_step=start_step) from None
+                        raise err.rolled_back(start_step) from None
                     epoch_loss += loss * len(idx)
                     done += 1
                     bar.update(1)
@@ -556,7 +574,12 @@ class Runner:
 
         Raises:
             FileExistsError: ``out_dir`` exists and is not a bundle of the same graphs.
+            NonFiniteStateError: a trained value is non-finite or larger than loading accepts
+                (left by a failed :meth:`train_step`); nothing is written.
         """
+        if bad := first_out_of_range(self._backend.get_tensor, self._mutable_tensors(), MAX_ABS_VALUE):
+            raise NonFiniteStateError(f"{bad[0]} holds {bad[1]:.3g} (loading accepts finite values up to "
+                                      f"{MAX_ABS_VALUE:g}); refusing to save this state - load the bundle again")
         out = Path(out_dir) if out_dir is not None else self.bundle_dir
         if out.exists():
             if not out.is_dir():

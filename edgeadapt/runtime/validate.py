@@ -9,6 +9,7 @@ import numpy as np
 from ..bundle import Manifest
 from .arrays import native_contiguous
 from .errors import InputError
+from .finite import SQUARE_SAFE_LIMIT
 
 __all__ = ["check_inputs", "check_labels", "check_learning_rate"]
 
@@ -33,7 +34,9 @@ def check_learning_rate(lr: object, what: str = "lr") -> float:
 def check_inputs(manifest: Manifest, x: np.ndarray, what: str = "X") -> np.ndarray:
     """``x`` as the runner feeds it (:func:`~.arrays.native_contiguous`: ``x`` itself when it is
     native-order and C-contiguous already, else one copy); :class:`InputError` unless ``x`` is a
-    finite float32 batch (any byte order or memory layout) of the bundle's input shape."""
+    float32 batch (any byte order or memory layout) of the bundle's input shape whose values are
+    finite and at most :data:`~.finite.SQUARE_SAFE_LIMIT` (1.8e19) in magnitude (see
+    :mod:`.finite`); the message names the first offending window and channel."""
     spec = manifest.input
     if not isinstance(x, np.ndarray):
         raise InputError(f"{what} must be a numpy array, got {type(x).__name__}")
@@ -54,26 +57,44 @@ def check_inputs(manifest: Manifest, x: np.ndarray, what: str = "X") -> np.ndarr
         )
     if x.shape[0] == 0:
         raise InputError(f"{what} is empty")
-    n = _count_nonfinite(x)
-    if n:
-        raise InputError(f"{what} contains {n} NaN or infinite values; clean or impute them first")
+    nonfinite, extreme = _count_out_of_range(x)
+    if nonfinite[0]:
+        raise InputError(f"{what} contains {nonfinite[0]} NaN or infinite values (first at {_where(x, nonfinite[1])}); "
+                         "clean or impute them first")
+    if extreme[0]:
+        raise InputError(
+            f"{what} holds {extreme[0]} values above {SQUARE_SAFE_LIMIT:.3g} in magnitude (first at "
+            f"{_where(x, extreme[1])}: {float(x[extreme[1]]):.3g}), whose squares overflow float32 in batch "
+            "statistics, the loss and the optimizer state; drop or clip those windows (a sensor glitch?) or "
+            "normalise the data as the source model was trained")
     return native_contiguous(x)
 
 
 _CHECK_CHUNK_BYTES = 64 * 1024
 
 
-def _count_nonfinite(x: np.ndarray) -> int:
-    """NaN/inf entries of ``x``, checked window by window in slices of at most ~64 KiB of input so
-    the check's boolean temporaries stay small (they fall inside a measured ``adapt`` call)."""
+def _where(x: np.ndarray, index: tuple[int, ...]) -> str:
+    """An element's place in words: window, and channel when ``x`` is (windows, channels, ...)."""
+    return f"window {index[0]}" + (f", channel {index[1]}" if x.ndim >= 3 else "")
+
+
+def _count_out_of_range(x: np.ndarray) -> tuple[tuple[int, tuple | None], tuple[int, tuple | None]]:
+    """(count, first index) of the NaN/inf entries of ``x`` and of the finite ones above
+    ``SQUARE_SAFE_LIMIT`` in magnitude, checked window by window in slices of at most ~64 KiB of
+    input so the check's temporaries stay small (they fall inside a measured ``adapt`` call)."""
     per_window = max(1, x[0].nbytes)
     step = max(1, _CHECK_CHUNK_BYTES // per_window)
-    n = 0
+    counts, firsts = [0, 0], [None, None]
     for s in range(0, x.shape[0], step):
         part = x[s:s + step]
-        if not np.isfinite(part).all():
-            n += int(part.size - np.count_nonzero(np.isfinite(part)))
-    return n
+        if np.abs(part).max() <= SQUARE_SAFE_LIMIT:  # False for a NaN
+            continue
+        for i, bad in enumerate((~np.isfinite(part), np.isfinite(part) & (np.abs(part) > SQUARE_SAFE_LIMIT))):
+            if (k := int(np.count_nonzero(bad))) and firsts[i] is None:
+                first = np.unravel_index(int(np.argmax(bad)), part.shape)
+                firsts[i] = (s + int(first[0]), *map(int, first[1:]))
+            counts[i] += k
+    return (counts[0], firsts[0]), (counts[1], firsts[1])
 
 
 def check_labels(manifest: Manifest, y: np.ndarray | None, n_windows: int, what: str = "y") -> np.ndarray | None:

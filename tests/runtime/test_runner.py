@@ -12,7 +12,7 @@ import pytest
 from helpers import make_data, run_python
 
 from edgeadapt.bundle import BundleError
-from edgeadapt.runtime import DeviceUnavailableError, InputError, NonFiniteLossError, Runner
+from edgeadapt.runtime import DeviceUnavailableError, InputError, NonFiniteLossError, NonFiniteUpdateError, Runner
 from edgeadapt.runtime import device as device_mod
 
 
@@ -105,16 +105,16 @@ def test_bad_inputs_are_refused_before_training(bundle, rng, mutate, match):
 
 
 # ---- non-finite loss ------------------------------------------------------------------
-def test_non_finite_loss_rolls_back_to_epoch_start(bundle, rng):
+def test_non_finite_update_rolls_back_to_epoch_start(bundle, rng):
     runner = Runner.load(bundle, device="cpu")
     X, y = make_data(rng, n=12)
     runner.adapt(X[:8], y[:8], epochs=1, batch_size=4, progress=False)
     good = runner.parameters()
     # A huge learning rate: the first step's loss is finite but its update overflows the
-    # parameters, so the second step's loss is not finite.
-    with pytest.raises(NonFiniteLossError, match="rolled back to step 2") as info:
+    # parameters; that update is caught at once (the next loss would be the first non-finite one).
+    with pytest.raises(NonFiniteUpdateError, match="rolled back to step 2") as info:
         runner.adapt(X, y, epochs=1, batch_size=4, lr=1e38, shuffle=False, progress=False)
-    assert info.value.step == 3 and not np.isfinite(info.value.loss)
+    assert info.value.step == 2 and np.isfinite(info.value.loss) and info.value.applied
     assert runner.step == 2
     state = runner.parameters()
     assert all(np.array_equal(state[k], good[k]) for k in good)
@@ -129,7 +129,8 @@ def test_non_finite_loss_rolls_back_to_epoch_start(bundle, rng):
 def test_single_step_with_non_finite_loss_applies_no_update(bundle, rng):
     runner = Runner.load(bundle, device="cpu")
     X, y = make_data(rng, n=4)
-    runner.train_step(X, y, lr=1e38)
+    with pytest.raises(NonFiniteUpdateError, match="the update was applied"):
+        runner.train_step(X, y, lr=1e38)
     before = runner.parameters()
     with pytest.raises(NonFiniteLossError, match="update of that step was not applied"):
         runner.train_step(X, y)
