@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .bundle import CONTRACT_KEY, BundleError, Manifest, check_member_name, contract_digest, file_size_limits, member_path
+from .bundle import CONTRACT_KEY, PORTABLE_GRAPH_ROLES, BundleError, Manifest, check_member_name, contract_digest, file_size_limits, member_path
 
 __all__ = [
     "ALLOWED_DOMAINS",
@@ -359,8 +359,9 @@ def check_masks(bundle_dir: str | Path, manifest: Manifest, training_model=None)
                               f"mode {p.mode!r} and {p.trainable_numel} trainable elements")
 
 
-def check_bundle_models(bundle_dir: str | Path, manifest: Manifest) -> tuple[str, ...]:
-    """Everything in this module's docstring, for a bundle whose checksums were verified.
+def check_bundle_models(bundle_dir: str | Path, manifest: Manifest, backend: str = "ort-training") -> tuple[str, ...]:
+    """Everything in this module's docstring, for a bundle whose checksums were verified; with
+    ``backend="portable"`` for its portable graphs instead (:mod:`edgeadapt.portable_guard`).
 
     Returns:
         The names of the training graph's parameter inputs (the tensors the checkpoint must
@@ -372,7 +373,8 @@ def check_bundle_models(bundle_dir: str | Path, manifest: Manifest) -> tuple[str
     bundle_dir = Path(bundle_dir)
     checksummed = frozenset(manifest.sha256)
     models = {role: check_onnx_file(bundle_dir, manifest.files[role], checksummed)
-              for role in _MODEL_ROLES if role in manifest.files}
+              for role in (_MODEL_ROLES if backend == "ort-training" else ("prefix_model", *PORTABLE_GRAPH_ROLES))
+              if role in manifest.files}
     paths = {role: member_path(bundle_dir, manifest.files[role]) for role in models}
     digest = contract_digest(manifest)
     stamps = {role: {p.key: p.value for p in m.metadata_props}.get(CONTRACT_KEY) for role, m in models.items()}
@@ -396,6 +398,17 @@ def check_bundle_models(bundle_dir: str | Path, manifest: Manifest) -> tuple[str
             raise BundleError(f"{paths['prefix_model']}: input has shape {info[manifest.input.name][1]}, "
                               f"the manifest says {list(manifest.input.shape)}")
         data_input, data_dims = _FEATURES, None
+    if backend == "portable":
+        from .portable_guard import check_portable_graphs
+
+        try:
+            names = check_portable_graphs(paths, models, manifest, data_input, data_dims)
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+            if isinstance(e, BundleError):
+                raise
+            raise BundleError(f"{bundle_dir}: malformed portable graphs ({type(e).__name__}: {str(e)[:200]})") from None
+        check_masks(bundle_dir, manifest)
+        return names
     checks = [(role, _check_io, (manifest, data_input, data_dims)) for role in ("training_model", "eval_model")]
     checks += [("training_model", _check_parameters, (manifest, models.get("prefix_model"))),
                ("optimizer_model", _check_optimizer, (manifest,))]
@@ -412,7 +425,8 @@ def check_bundle_models(bundle_dir: str | Path, manifest: Manifest) -> tuple[str
                  if v.name not in skip and not v.name.endswith("_grad.accumulation.buffer"))
 
 
-def check_checkpoint_values(get_tensor, names: tuple[str, ...], manifest: Manifest, bundle_dir: str | Path) -> None:
+def check_checkpoint_values(get_tensor, names: tuple[str, ...], manifest: Manifest, bundle_dir: str | Path,
+                            state_role: str = "checkpoint") -> None:
     """Check the values ONNX Runtime loaded from the checkpoint, one tensor at a time.
 
     Every parameter input of the training graph must be present, finite and below
@@ -425,11 +439,12 @@ def check_checkpoint_values(get_tensor, names: tuple[str, ...], manifest: Manife
         names: from :func:`check_bundle_models`.
         manifest: the bundle's manifest.
         bundle_dir: for messages.
+        state_role: the manifest file role of the state those values came from (for messages).
 
     Raises:
         BundleError: naming the checkpoint file and the tensor.
     """
-    path = Path(bundle_dir) / manifest.files["checkpoint"]
+    path = Path(bundle_dir) / manifest.files[state_role]
     index_of = {p.onnx_names["index"]: p for p in manifest.parameters if p.is_split}
     for name in names:
         try:

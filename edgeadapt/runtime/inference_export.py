@@ -31,9 +31,10 @@ def prune_to_outputs(nodes, outputs: Sequence[str]) -> list:
     return [n for i, n in enumerate(nodes) if i in keep]
 
 
-def export_eval_graph(eval_path: str | os.PathLike, parameters: Mapping[str, np.ndarray],
+def export_eval_graph(eval_path, parameters: Mapping[str, np.ndarray],
                       output_names: Sequence[str], path: str | os.PathLike) -> Path:
-    """Write ``eval_path``'s graph with ``parameters`` as initializers, pruned to ``output_names``.
+    """Write ``eval_path``'s graph (a path, or an ``onnx.ModelProto``) with ``parameters`` as
+    initializers, pruned to ``output_names``.
 
     Raises:
         ValueError: an output name is not produced by the graph.
@@ -41,7 +42,7 @@ def export_eval_graph(eval_path: str | os.PathLike, parameters: Mapping[str, np.
     import onnx
     from onnx import numpy_helper
 
-    model = onnx.load(os.fspath(eval_path))
+    model = eval_path if isinstance(eval_path, onnx.ModelProto) else onnx.load(os.fspath(eval_path))
     g = model.graph
     produced = {o for n in g.node for o in n.output} | {i.name for i in g.input}
     missing = [o for o in output_names if o not in produced]

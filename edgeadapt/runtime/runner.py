@@ -32,6 +32,8 @@ from tqdm.auto import tqdm
 from ..atomic import atomic_path, staged_directory
 from ..bundle import BundleError, Manifest, bundle_lock, read_manifest, sha256_file, sweep_orphans, write_manifest
 from .backend import OrtTrainingBackend, TrainingBackend
+from .engines import STATE_ROLES, choose_backend, dropped_roles, kept_roles
+from .portable import PortableBackend
 from .errors import DeviceUnavailableError, NonFiniteLossError, NonFiniteStateError, NonFiniteUpdateError
 from .finite import SQUARE_SAFE_LIMIT, first_out_of_range
 from .peaks import AdaptPeaks
@@ -135,32 +137,39 @@ class Runner:
     _prefix: PrefixModel | None = None
 
     def __init__(self, bundle_dir: Path, manifest: Manifest,
-                 open_backend: Callable[[Path | None], TrainingBackend]):
-        """Prefer :meth:`load`. ``open_backend(checkpoint_path)`` opens a session on the
+                 open_backend: Callable[[Path | None], TrainingBackend], backend: str = "ort-training"):
+        """Prefer :meth:`load`. ``open_backend(checkpoint_path)`` opens a session (of the engine
+        ``backend``, see :mod:`.engines`) on the
         bundle's graphs with the given checkpoint (``None``: the bundle's own)."""
         self.bundle_dir = Path(bundle_dir)
         self.manifest = manifest
         self._open_backend = open_backend
+        self.backend = backend
+        self._state_role = STATE_ROLES[backend]
         self._backend = open_backend(None)
         # A checkpoint file equal to the current state (rollback replays from it); None once changed.
-        self._clean_checkpoint: Path | None = self.bundle_dir / manifest.files["checkpoint"]
+        self._clean_checkpoint: Path | None = self.bundle_dir / manifest.files[self._state_role]
         self.step = int(manifest.state.get("step", 0))
         self.epoch = int(manifest.state.get("epoch", 0))
 
     @classmethod
-    def load(cls, bundle_dir: str | os.PathLike, *, device: str = "auto", threads: int | None = None) -> Runner:
+    def load(cls, bundle_dir: str | os.PathLike, *, device: str = "auto", threads: int | None = None,
+             backend: str = "auto") -> Runner:
         """Verify a bundle's manifest and checksums, then open a training session on ``device``.
 
         Args:
             bundle_dir: an exported or adapted bundle directory.
             device: ``auto`` (CUDA if it works, else CPU with a warning), ``cuda`` or ``cpu``.
             threads: intra-op threads; ``None`` lets ONNX Runtime decide.
+            backend: ``auto`` (the portable graphs when the bundle holds them, else the
+                onnxruntime-training ones), ``portable`` or ``ort-training`` (see :mod:`.engines`).
 
         Raises:
             BundleError: not a bundle, malformed manifest, missing, oversized or damaged file,
                 checksum mismatch, a path outside the bundle, models that disagree with the
                 manifest or use ops the exporter never writes (see ``docs/bundle-trust.md``).
             DeviceUnavailableError: ``device="cuda"`` and CUDA cannot run the session.
+            BackendUnavailableError: the bundle's training engine is not installed (names the extra).
         """
         bundle_dir = Path(bundle_dir)
         if not bundle_dir.is_dir():
@@ -169,17 +178,19 @@ class Runner:
 
         def open_backend(checkpoint: Path | None) -> TrainingBackend:
             # Re-opening (rollback) reuses the device picked the first time: no second fallback warning.
-            backend = OrtTrainingBackend(bundle_dir, manifest, device=chosen[0] if chosen else device,
-                                         threads=threads, checkpoint_path=checkpoint)
-            chosen[:] = [backend.device]
-            return backend
+            engine = PortableBackend if name == "portable" else OrtTrainingBackend
+            opened = engine(bundle_dir, manifest, device=chosen[0] if chosen else device,
+                            threads=threads, checkpoint_path=checkpoint)
+            chosen[:] = [opened.device]
+            return opened
 
         # Shared lock: a concurrent in-place save cannot remove the checkpoint being read.
         with bundle_lock(bundle_dir, exclusive=False):
             manifest = read_manifest(bundle_dir, verify=True)
-            parameter_names = check_bundle_models(bundle_dir, manifest)
+            name = choose_backend(manifest, backend, str(bundle_dir))
+            parameter_names = check_bundle_models(bundle_dir, manifest, backend=name)
             try:
-                runner = cls(bundle_dir, manifest, open_backend)
+                runner = cls(bundle_dir, manifest, open_backend, name)
                 runner._prefix = open_prefix(bundle_dir, manifest, device="cuda" if device == "cuda" else "cpu",
                                              threads=threads)
             except Exception as e:
@@ -188,13 +199,13 @@ class Runner:
                         type(e).__module__.startswith("onnxruntime") or type(e) is RuntimeError):
                     raise
                 reason = (str(e).strip().splitlines() or [type(e).__name__])[-1][:300]
-                opened = ", ".join(manifest.files[r] for r in ("training_model", "eval_model", "optimizer_model",
-                                                               "checkpoint", "prefix_model") if r in manifest.files)
+                opened = ", ".join(manifest.files[r] for r in sorted(kept_roles(manifest, name)) if r != "masks")
                 raise BundleError(
                     f"{bundle_dir}: ONNX Runtime could not open {opened} ({reason}); the bundle is damaged - "
                     "re-export it or restore a copy"
                 ) from None
-            check_checkpoint_values(runner._backend.get_tensor, parameter_names, manifest, bundle_dir)
+            check_checkpoint_values(runner._backend.get_tensor, parameter_names, manifest, bundle_dir,
+                                    state_role=runner._state_role)
         log.info("loaded %s on %s: %d trainable elements", bundle_dir, runner.device, manifest.trainable_numel)
         return runner
 
@@ -536,14 +547,24 @@ class Runner:
         return out
 
     # ---- persistence ----------------------------------------------------------------
+    def _kept_members(self) -> set[str]:
+        """Checksummed members a save keeps: all but the state file and the files of the
+        backends this runner does not run (their state would be stale)."""
+        dropped = {self.manifest.files[r] for r in dropped_roles(self.backend) | {self._state_role}
+                   if r in self.manifest.files}
+        return set(self.manifest.sha256) - dropped
+
     def _state_manifest(self, checkpoint_name: str, checkpoint_sha: str) -> Manifest:
-        sha = {k: v for k, v in self.manifest.sha256.items() if k != self.manifest.files["checkpoint"]}
+        sha = {k: v for k, v in self.manifest.sha256.items() if k in self._kept_members()}
         sha[checkpoint_name] = checkpoint_sha
-        return replace(self.manifest, files={**self.manifest.files, "checkpoint": checkpoint_name},
-                       sha256=sha, state={"epoch": self.epoch, "step": self.step})
+        files = {r: n for r, n in self.manifest.files.items() if r in kept_roles(self.manifest, self.backend)}
+        return replace(self.manifest, files={**files, self._state_role: checkpoint_name}, sha256=sha,
+                       state={"epoch": self.epoch, "step": self.step}, backends=(self.backend,),
+                       portable=self.manifest.portable if self.backend == "portable" else None)
 
     def _write_checkpoint(self, directory: Path) -> tuple[str, str]:
-        name = f"checkpoint-{self.step:06d}-{secrets.token_hex(3)}"
+        name = f"{self._state_role}-{self.step:06d}-{secrets.token_hex(3)}"
+        name += Path(self.manifest.files[self._state_role]).suffix
         with atomic_path(directory / name) as tmp:
             self._backend.save_checkpoint(tmp)
         return name, sha256_file(directory / name)
@@ -554,7 +575,7 @@ class Runner:
         except BundleError:
             return False
         mine = self.manifest
-        roles = (set(mine.files) | set(theirs.files)) - {"checkpoint"}
+        roles = kept_roles(mine, self.backend) - {self._state_role}
         return all(r in theirs.files and r in mine.files
                    and theirs.sha256.get(theirs.files[r]) == mine.sha256.get(mine.files[r]) for r in roles)
 
@@ -596,14 +617,13 @@ class Runner:
                 sweep_orphans(out, state)
         else:
             with staged_directory(out) as stage:
-                # Every checksummed member but the checkpoint (names were checked when the manifest was built).
-                for member in self.manifest.sha256:
-                    if member != self.manifest.files["checkpoint"]:
-                        shutil.copyfile(self.bundle_dir / member, stage / member)
+                # Every kept member (names were checked when the manifest was built).
+                for member in self._kept_members():
+                    shutil.copyfile(self.bundle_dir / member, stage / member)
                 name, sha = self._write_checkpoint(stage)
                 write_manifest(stage, self._state_manifest(name, sha))
         self.manifest = read_manifest(out, verify=False)
-        self._clean_checkpoint = out / self.manifest.files["checkpoint"]
+        self._clean_checkpoint = out / self.manifest.files[self._state_role]
         self.bundle_dir = out
         log.info("saved step %d to %s", self.step, out)
         return out
