@@ -178,6 +178,7 @@ def cmd_adapt(args: argparse.Namespace) -> int:
         raise ValueError(f"--epochs and --batch-size must be >= 1, got {args.epochs} and {args.batch_size}")
     X, y = _load_data(args, read_manifest(args.bundle, verify=False))
     runner = Runner.load(args.bundle, device=args.device, threads=args.threads)
+    runner.check_save_target(args.out)  # refused now, not after training
     print(f"adapting on {runner.device}: {len(X)} windows, {args.epochs} epochs, batch {args.batch_size}")
     try:
         result = runner.adapt(X, y, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,

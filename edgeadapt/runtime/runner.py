@@ -579,6 +579,23 @@ class Runner:
         return all(r in theirs.files and r in mine.files
                    and theirs.sha256.get(theirs.files[r]) == mine.sha256.get(mine.files[r]) for r in roles)
 
+    def check_save_target(self, out_dir: str | os.PathLike | None = None) -> Path:
+        """The directory :meth:`save` would write (``out_dir``, default: the runner's bundle), checked
+        now so that a caller can refuse it before any work.
+
+        Raises:
+            FileExistsError: ``out_dir`` exists and is not a bundle of the same graphs.
+        """
+        out = Path(out_dir) if out_dir is not None else self.bundle_dir
+        if out.exists():
+            if not out.is_dir():
+                raise FileExistsError(f"{out} exists and is not a directory; choose a new directory")
+            if not self._same_graphs(out):
+                raise FileExistsError(
+                    f"{out} exists and is not a bundle of the same model; choose a new directory or remove it"
+                )
+        return out
+
     def save(self, out_dir: str | os.PathLike | None = None) -> Path:
         """Save parameters, optimizer state and progress as a bundle; resume with :meth:`load`.
 
@@ -601,15 +618,10 @@ class Runner:
         if bad := first_out_of_range(self._backend.get_tensor, self._mutable_tensors(), MAX_ABS_VALUE):
             raise NonFiniteStateError(f"{bad[0]} holds {bad[1]:.3g} (loading accepts finite values up to "
                                       f"{MAX_ABS_VALUE:g}); refusing to save this state - load the bundle again")
-        out = Path(out_dir) if out_dir is not None else self.bundle_dir
+        out = self.check_save_target(out_dir)
         if out.exists():
-            if not out.is_dir():
-                raise FileExistsError(f"{out} exists and is not a directory; choose a new directory")
             with bundle_lock(out, exclusive=True):
-                if not self._same_graphs(out):
-                    raise FileExistsError(
-                        f"{out} exists and is not a bundle of the same model; choose a new directory or remove it"
-                    )
+                self.check_save_target(out)  # again under the lock: the target may have changed meanwhile
                 name, sha = self._write_checkpoint(out)
                 state = self._state_manifest(name, sha)
                 write_manifest(out, state)
