@@ -177,8 +177,7 @@ def cmd_adapt(args: argparse.Namespace) -> int:
     if args.epochs < 1 or args.batch_size < 1:
         raise ValueError(f"--epochs and --batch-size must be >= 1, got {args.epochs} and {args.batch_size}")
     X, y = _load_data(args, read_manifest(args.bundle, verify=False))
-    runner = Runner.load(args.bundle, device=args.device, threads=args.threads)
-    runner.check_save_target(args.out)  # refused now, not after training
+    runner = Runner.load(args.bundle, device=args.device, threads=args.threads, backend=args.backend)
     print(f"adapting on {runner.device}: {len(X)} windows, {args.epochs} epochs, batch {args.batch_size}")
     try:
         result = runner.adapt(X, y, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
@@ -198,7 +197,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from .runtime import Runner
 
     X, y = _load_data(args, read_manifest(args.bundle, verify=False))
-    runner = Runner.load(args.bundle, device=args.device, threads=args.threads)
+    runner = Runner.load(args.bundle, device=args.device, threads=args.threads, backend=args.backend)
     r = runner.evaluate(X, y)
     result = {"loss": r.loss, "accuracy": r.accuracy, "n_windows": r.n_windows}
     print(json.dumps(result) if args.json else
@@ -209,7 +208,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 def cmd_export_inference(args: argparse.Namespace) -> int:
     from .runtime import Runner
 
-    runner = Runner.load(args.bundle, device="cpu")
+    runner = Runner.load(args.bundle, device="cpu", backend=args.backend)
     path = runner.export_inference(args.output)
     print(f"wrote {path}: a plain ONNX model ({runner.manifest.input.name} -> {runner.manifest.output.name})")
     return 0
@@ -245,7 +244,14 @@ def _add_data(p: argparse.ArgumentParser) -> None:
                    help="window length in seconds for continuous data (default: the bundle's window length)")
 
 
+def _add_backend(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=("auto", "portable", "ort-training"), default="auto",
+                   help="training engine: auto (portable step graphs when the bundle holds them, else "
+                        "onnxruntime-training; default), portable or ort-training")
+
+
 def _add_device(p: argparse.ArgumentParser) -> None:
+    _add_backend(p)
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                    help="auto: CUDA if it can run the session, else CPU with a warning (default)")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: ONNX Runtime's choice)")
@@ -352,6 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export-inference", help="write a plain ONNX model any onnxruntime can run")
     p.add_argument("bundle")
     p.add_argument("output", help="path of the .onnx file")
+    _add_backend(p)
     p.set_defaults(func=cmd_export_inference)
 
     p = sub.add_parser("quickstart", help="the main job on built-in data: pretrain, export, adapt, report")

@@ -278,3 +278,12 @@ def test_save_refuses_non_finite_state(bundle, tmp_path):
     with pytest.raises(ValueError, match="NaN or infinite"):
         backend.save_checkpoint(tmp_path / "state.npz")
     assert not (tmp_path / "state.npz").exists()
+
+
+def test_cli_backend_option(bundle, tmp_path, capsys):
+    from edgeadapt.cli import main
+
+    assert main(["export-inference", str(bundle), str(tmp_path / "m.onnx"), "--backend", "portable"]) == 0
+    assert main(["export-inference", str(bundle), str(tmp_path / "n.onnx"), "--backend", "ort-training"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "holds no ort-training graphs" in err
