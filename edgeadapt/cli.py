@@ -176,8 +176,13 @@ def cmd_adapt(args: argparse.Namespace) -> int:
         check_learning_rate(args.lr, "--lr")
     if args.epochs < 1 or args.batch_size < 1:
         raise ValueError(f"--epochs and --batch-size must be >= 1, got {args.epochs} and {args.batch_size}")
+    from .unlabeled_cli import check_unlabeled_arguments, run_unlabeled
+
+    check_unlabeled_arguments(args)
     X, y = _load_data(args, read_manifest(args.bundle, verify=False))
     runner = Runner.load(args.bundle, device=args.device, threads=args.threads, backend=args.backend)
+    if args.unlabeled:
+        return run_unlabeled(args, runner, X)
     print(f"adapting on {runner.device}: {len(X)} windows, {args.epochs} epochs, batch {args.batch_size}")
     try:
         result = runner.adapt(X, y, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
@@ -345,6 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", choices=("constant", "cosine"), default="constant")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from .unlabeled_cli import add_unlabeled_arguments
+
+    add_unlabeled_arguments(p)
     _add_device(p)
     p.set_defaults(func=cmd_adapt)
 

@@ -438,6 +438,23 @@ class Runner:
                         "are restored from the kept copy, the optimizer state may differ slightly", differ)
             kept.restore(self._backend)
 
+    # ---- safe label-free adaptation (edgeadapt.runtime.unlabeled) ----------------------
+    def adapt_unlabeled(self, X: np.ndarray, settings=None):
+        """Adapt on unlabeled windows ``X`` with the recommended safe label-free method
+        (source-anchored statistics, prototype head, resets on collapse, a safety gate that
+        returns to the source model); ``settings``: an :class:`~.unlabeled.UnlabeledSettings`.
+        Returns an :class:`~.unlabeled.UnlabeledResult` with the gate's decision and evidence."""
+        from .unlabeled import adapt_unlabeled
+
+        return adapt_unlabeled(self, X, settings)
+
+    def adapt_stream(self, batches, settings=None):
+        """:meth:`adapt_unlabeled` on a stream of unlabeled batches as they arrive, memory bounded
+        (see :func:`~.unlabeled.adapt_stream`)."""
+        from .unlabeled import adapt_stream
+
+        return adapt_stream(self, batches, settings)
+
     # ---- label-free BatchNorm statistics ----------------------------------------------
     def update_bn_statistics(self, X: np.ndarray, y: np.ndarray | None = None, *, epochs: int = 1,
                              batch_size: int = 32, shuffle: bool = True, seed: int = 0,

@@ -1,0 +1,98 @@
+"""The classifier head's input and the logits of the current parameters, in one inference pass.
+
+Label-free adaptation needs what the runner's eval graph does not return: the features the
+linear head reads (class prototypes are means of them). :class:`HeadFeatures` builds, once, an
+inference model from the runner's own plain export (:meth:`Runner.export_inference`: prefix and
+suffix merged, any backend) with two changes: every tensor the training backend holds becomes a
+graph *input* (fed the backend's current values at each run, so BatchNorm statistics or biases
+changed later are seen without exporting again), and the head's input is a second output.
+
+The head is the ``Gemm`` (``torch.nn.Linear``) that produces the model output; a model ending in
+anything else has no linear head to adjust and :class:`HeadFeatures` refuses it (``ValueError``).
+Torch-free: numpy, onnx (installed with onnxruntime-training) and onnxruntime.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .arrays import native_contiguous
+from .ort_import import import_onnxruntime
+
+__all__ = ["LinearHead", "HeadFeatures"]
+
+
+@dataclass(frozen=True)
+class LinearHead:
+    """Where the linear head's weight and bias live: graph tensor names, and whether the weight is
+    stored ``(classes, features)`` (``transposed``: ``Gemm`` with ``transB=1``, torch's layout)."""
+
+    weight: str
+    bias: str | None
+    transposed: bool
+
+
+class HeadFeatures:
+    """Features before the head and logits, from one inference session (see module docstring).
+
+    Args:
+        export: writes the runner's plain inference model to the given path.
+        parameter_names: the training backend's tensor names (fed at each run).
+        get_tensor: reads a backend tensor's current value.
+    """
+
+    def __init__(self, export: Callable[[Path], object], parameter_names: Iterable[str],
+                 get_tensor: Callable[[str], np.ndarray]):
+        import onnx
+
+        with tempfile.TemporaryDirectory(prefix="edgeadapt-head-") as scratch:
+            path = Path(scratch) / "model.onnx"
+            export(path)
+            model = onnx.load(os.fspath(path))
+        graph = model.graph
+        producer = next((n for n in graph.node if graph.output[0].name in n.output), None)
+        if producer is None or producer.op_type != "Gemm":
+            raise ValueError("classifier adjustment needs a model ending in a linear layer (Gemm); this model ends in "
+                             f"{'nothing' if producer is None else producer.op_type}: use a method without prototypes")
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in producer.attribute}
+        if attrs.get("transA", 0):
+            raise ValueError("classifier adjustment needs a head Gemm without transA; re-export the model")
+        params = set(parameter_names)
+        weight, bias = producer.input[1], (producer.input[2] if len(producer.input) > 2 else None)
+        if weight not in params or (bias is not None and bias not in params):
+            raise ValueError("the head's weight or bias is not held by the training backend (a frozen prefix); "
+                             "export the bundle without cutting at the head")
+        self.head = LinearHead(weight, bias, bool(attrs.get("transB", 0)))
+        self.features_name = producer.input[0]
+        moved = [t for t in graph.initializer if t.name in params]
+        for t in moved:
+            graph.initializer.remove(t)
+            graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+        graph.output.append(onnx.helper.make_tensor_value_info(self.features_name, onnx.TensorProto.FLOAT, None))
+        ort = import_onnxruntime()
+        options = ort.SessionOptions()
+        options.enable_cpu_mem_arena = False
+        options.enable_mem_pattern = False
+        options.intra_op_num_threads = 1
+        self._session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        self._input_name = graph.input[0].name
+        self._output_names = [graph.output[0].name, self.features_name]
+        self._parameter_inputs = [t.name for t in moved]
+        self._get_tensor = get_tensor
+
+    def run(self, X: np.ndarray, batch_windows: int = 256) -> tuple[np.ndarray, np.ndarray]:
+        """``(features, logits)`` of the windows ``X`` under the backend's current values."""
+        feeds = {n: self._get_tensor(n) for n in self._parameter_inputs}
+        feats, logits = [], []
+        for start in range(0, len(X), batch_windows):
+            feeds[self._input_name] = native_contiguous(X[start:start + batch_windows])
+            out, f = self._session.run(self._output_names, feeds)
+            logits.append(out)
+            feats.append(f.reshape(len(f), -1))
+        return np.concatenate(feats), np.concatenate(logits)

@@ -1,0 +1,162 @@
+"""The safety gate of label-free adaptation: keep the adapted model or return to the source one.
+
+No label is available, so the gate compares the two models on *held-back* unlabeled windows
+(never adapted on) with label-free evidence (:class:`ModelEvidence`):
+
+* **view agreement**: how often the prediction on a window survives small sensor
+  perturbations (:func:`augmented_views`: per-channel gain, additive noise, a circular time
+  shift). A model whose decisions follow the signal rather than the shift keeps them under such
+  perturbations; adaptation that broke the features loses agreement.
+* **collapse**: the share of the most predicted class and the mean prediction entropy.
+* **prediction change**: the fraction of held-back windows the adapted model classifies
+  differently from the source model (large changes on little data are a risk, not evidence).
+
+:func:`decide` keeps the adaptation only when every criterion passes and reports which failed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["GateSettings", "ModelEvidence", "GateDecision", "augmented_views", "evidence", "decide",
+           "softmax", "normalized_entropy", "collapsed"]
+
+# Perturbations of augmented_views, in units of the (normalised) input: per-channel gain factor
+# exp(U(-g, g)), additive Gaussian noise of this fraction of each window's channel std, circular
+# shift by up to this fraction of the window length.
+VIEW_GAIN_LOG = 0.1
+VIEW_NOISE_FRACTION = 0.1
+VIEW_SHIFT_FRACTION = 0.1
+
+
+@dataclass(frozen=True)
+class GateSettings:
+    """Thresholds of :func:`decide`.
+
+    Attributes:
+        agreement_tolerance: the adapted model's view agreement may fall at most this much
+            below the source model's.
+        max_changed_fraction: at most this fraction of held-back windows may change class.
+        collapse_share: a model predicting one class for more than this share of windows (when
+            the source model did not) has collapsed.
+        collapse_entropy: ... or one whose mean normalised entropy fell below this (and below
+            half the source model's).
+    """
+
+    agreement_tolerance: float = 0.0
+    max_changed_fraction: float = 0.5
+    collapse_share: float = 0.9
+    collapse_entropy: float = 0.01
+
+    def __post_init__(self) -> None:
+        for name in ("agreement_tolerance", "max_changed_fraction", "collapse_share", "collapse_entropy"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 <= value <= 1):
+                raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelEvidence:
+    """What one model shows on the held-back windows.
+
+    Attributes:
+        view_agreement: mean over views of the fraction of windows whose class on the view equals
+            the class on the window itself.
+        mean_entropy: mean prediction entropy over windows, divided by log(classes) (0..1).
+        max_class_share: share of windows given the most predicted class.
+        classes: the predicted class of every held-back window (clean view).
+    """
+
+    view_agreement: float
+    mean_entropy: float
+    max_class_share: float
+    classes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    """The gate's verdict and its evidence.
+
+    Attributes:
+        kept: ``True``: the adaptation is kept; ``False``: the runner returned to the source model.
+        reasons: the failed criteria (empty when kept).
+        source, adapted: the evidence of each model on the same held-back windows.
+        changed_fraction: share of held-back windows whose class changed.
+        n_windows: held-back windows the evidence is computed on.
+    """
+
+    kept: bool
+    reasons: tuple[str, ...]
+    source: ModelEvidence
+    adapted: ModelEvidence
+    changed_fraction: float
+    n_windows: int
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise softmax in float64."""
+    z = logits.astype(np.float64) - logits.max(axis=1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def normalized_entropy(probs: np.ndarray) -> np.ndarray:
+    """Entropy of each row of ``probs`` divided by log(columns): 0 (certain) .. 1 (uniform)."""
+    return -(probs * np.log(np.clip(probs, 1e-12, 1.0))).sum(axis=1) / np.log(probs.shape[1])
+
+
+def augmented_views(X: np.ndarray, seed: int, n_views: int = 2) -> list[np.ndarray]:
+    """``n_views`` perturbed copies of the windows ``X`` (batch, channels, time), seeded: each
+    with a per-window, per-channel gain, additive noise and a circular time shift."""
+    rng = np.random.default_rng(seed)
+    n, steps = X.shape[0], X.shape[-1]
+    scale = X.std(axis=-1, keepdims=True)
+    max_shift = max(1, int(round(VIEW_SHIFT_FRACTION * steps)))
+    views = []
+    for _ in range(n_views):
+        gain = np.exp(rng.uniform(-VIEW_GAIN_LOG, VIEW_GAIN_LOG, size=X.shape[:-1] + (1,)))
+        view = X * gain + VIEW_NOISE_FRACTION * scale * rng.standard_normal(X.shape)
+        shifts = rng.integers(-max_shift, max_shift + 1, size=n)
+        idx = (np.arange(steps)[None, :] - shifts[:, None]) % steps
+        view = np.take_along_axis(view, idx.reshape(n, *([1] * (X.ndim - 2)), steps), axis=-1)
+        views.append(view.astype(np.float32))
+    return views
+
+
+def evidence(clean_logits: np.ndarray, view_logits: list[np.ndarray]) -> ModelEvidence:
+    """:class:`ModelEvidence` from a model's logits on the held-back windows and on their views."""
+    probs = softmax(clean_logits)
+    classes = probs.argmax(axis=1)
+    agreement = float(np.mean([(v.argmax(axis=1) == classes).mean() for v in view_logits])) if view_logits else 1.0
+    share = np.bincount(classes, minlength=probs.shape[1]).max() / len(classes)
+    return ModelEvidence(agreement, float(normalized_entropy(probs).mean()), float(share),
+                         tuple(int(c) for c in classes))
+
+
+def collapsed(model: ModelEvidence, source: ModelEvidence, settings: GateSettings) -> str | None:
+    """Why ``model`` has collapsed relative to ``source`` (one class for nearly everything, or
+    entropy falling to zero), or ``None``."""
+    if model.max_class_share > settings.collapse_share and source.max_class_share <= settings.collapse_share:
+        return f"one class predicted for {model.max_class_share:.0%} of windows"
+    if model.mean_entropy < settings.collapse_entropy and model.mean_entropy < 0.5 * source.mean_entropy:
+        return f"mean entropy fell to {model.mean_entropy:.3f}"
+    return None
+
+
+def decide(source: ModelEvidence, adapted: ModelEvidence, settings: GateSettings) -> GateDecision:
+    """Keep the adaptation when it has not collapsed, its view agreement is at least the source
+    model's minus the tolerance, and it changes at most ``max_changed_fraction`` of classes."""
+    n = len(source.classes)
+    changed = float(np.mean(np.array(source.classes) != np.array(adapted.classes))) if n else 0.0
+    reasons = []
+    why = collapsed(adapted, source, settings)
+    if why:
+        reasons.append(f"collapse: {why}")
+    if adapted.view_agreement < source.view_agreement - settings.agreement_tolerance:
+        reasons.append(f"view agreement fell from {source.view_agreement:.3f} to {adapted.view_agreement:.3f}")
+    if changed > settings.max_changed_fraction:
+        reasons.append(f"{changed:.0%} of held-back windows changed class (limit "
+                       f"{settings.max_changed_fraction:.0%})")
+    return GateDecision(not reasons, tuple(reasons), source, adapted, changed, n)

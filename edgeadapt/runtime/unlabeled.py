@@ -1,0 +1,511 @@
+"""Safe label-free adaptation: robust methods, resets on collapse and a safety gate, offline or online.
+
+:class:`UnlabeledAdapter` adapts a :class:`~edgeadapt.runtime.Runner` to unlabeled windows in
+three stages, each optional (:class:`UnlabeledSettings`):
+
+1. **Source-anchored normalisation statistics** (Schneider et al. 2020): every BatchNorm's
+   running mean and variance become ``(1 - w) * source + w * target`` with
+   ``w = n / (n + stats_prior_windows)`` for ``n`` target windows seen, so that a few windows
+   move the statistics a little and many move them far. The target statistics come from the
+   backend's forward-only statistics pass (the one ``bn-stats`` runs), accumulated over batches
+   as per-channel sums (fixed size, however many windows arrive). Needs ``batchnorm="batch"``.
+2. **Entropy minimisation on reliable windows with an anchor** (EATA-like): optimizer steps of
+   the bundle's entropy loss on the windows whose normalised prediction entropy is below
+   ``entropy_threshold`` only; after each step every trained tensor is pulled back toward its
+   source value by ``anchor`` (a distance penalty applied as a proximal step), and the running
+   statistics the training graph moved are restored. Needs a bundle with the ``entropy`` loss.
+3. **Prototype head adjustment** (backprop-free, T3A-like): class means of the head's input
+   features over confident windows (pseudo-labelled, entropy below ``prototype_threshold``)
+   make a nearest-mean linear classifier ``k * (mu_c . f - |mu_c|^2 / 2)``; the head becomes
+   ``(1 - prototype_mix) * source head + prototype_mix * that``, ``k`` matching the two heads'
+   weight norms. Per-class feature sums are kept, not features.
+
+After every stage the adapter checks for **collapse** on the windows it just saw (one class for
+nearly everything, entropy falling to zero) and **resets** that stage to the state before it.
+Finally the **safety gate** (:mod:`.safety_gate`) compares the adapted and the source model on
+held-back windows and keeps the adaptation or returns to the source model;
+:class:`UnlabeledResult` reports the decision and its evidence.
+
+Memory is bounded: the adapter holds a copy of the tensors it may change (the source values),
+the per-channel and per-class sums, and at most ``gate_windows`` held-back windows with their
+views; a stream of any length adds nothing (``Runner.adapt_stream``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+
+from .head_features import HeadFeatures
+from .peaks import AdaptPeaks
+from .safety_gate import (
+    GateDecision, GateSettings, augmented_views, collapsed, decide, evidence, normalized_entropy, softmax,
+)
+
+__all__ = ["UnlabeledSettings", "UnlabeledResult", "UnlabeledAdapter", "adapt_unlabeled", "adapt_stream"]
+
+log = logging.getLogger(__name__)
+
+_STATS_SUFFIXES = ("running_mean", "running_var")
+# Windows per forward-only statistics pass (bounds its activations; batches of a stream are smaller).
+STATS_BATCH_WINDOWS = 64
+# Reset messages kept for the result (the count covers all of them): a stream stays bounded.
+MAX_RESETS_KEPT = 16
+
+
+@dataclass(frozen=True)
+class UnlabeledSettings:
+    """Settings of label-free adaptation. The defaults are the recommended ``label-free`` method's,
+    chosen on source subjects only (``benchmarks/label_free_settings.py``; README).
+
+    Attributes:
+        stats_prior_windows: ``N0`` of the statistics weight ``w = n / (n + N0)``; ``inf``: the
+            source statistics stay (stage 1 off); 0: the target's replace them (``bn-stats``).
+        entropy_steps: optimizer steps of stage 2 per :meth:`UnlabeledAdapter.update` (0: off).
+        lr: learning rate of those steps.
+        entropy_threshold: windows with normalised entropy below this train (reliable ones).
+        anchor: fraction of the distance to the source values removed after each step (0..1).
+        batch_size: windows per entropy step.
+        prototype_mix: weight of the prototype classifier in the head (0: stage 3 off).
+        prototype_threshold: windows with normalised entropy below this make prototypes.
+        min_prototype_windows: a class needs this many confident windows to get a prototype.
+        gate: ``False``: keep whatever the stages produced (no held-back windows, no gate).
+        gate_fraction: share of an offline call's windows held back for the gate.
+        gate_windows: at most this many held-back windows (the first ones of a stream).
+        gate_views: augmented views per held-back window.
+        gate_settings: the gate's thresholds.
+        seed: seeds the held-back choice, the entropy batches and the views.
+    """
+
+    stats_prior_windows: float = 64.0
+    entropy_steps: int = 0
+    lr: float = 1e-3
+    entropy_threshold: float = 0.4
+    anchor: float = 0.1
+    batch_size: int = 16
+    prototype_mix: float = 0.3
+    prototype_threshold: float = 0.3
+    min_prototype_windows: int = 2
+    gate: bool = True
+    gate_fraction: float = 0.25
+    gate_windows: int = 64
+    gate_views: int = 2
+    gate_settings: GateSettings = field(default_factory=GateSettings)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.gate_settings, dict):
+            object.__setattr__(self, "gate_settings", GateSettings(**self.gate_settings))
+        if not (self.stats_prior_windows >= 0):
+            raise ValueError(f"stats_prior_windows must be >= 0 (inf: keep the source's), got {self.stats_prior_windows}")
+        for name in ("entropy_steps", "batch_size", "min_prototype_windows", "gate_windows", "gate_views"):
+            value = getattr(self, name)
+            low = 0 if name == "entropy_steps" else 1
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
+        for name in ("entropy_threshold", "anchor", "prototype_mix", "prototype_threshold"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
+        if not 0 < self.gate_fraction < 1:
+            raise ValueError(f"gate_fraction must be in (0, 1), got {self.gate_fraction!r}")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> UnlabeledSettings:
+        """Settings from a JSON object (unknown keys refused, naming the known ones)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown label-free settings {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        """A JSON-serialisable copy (``inf`` as the string ``"inf"`` is not needed: JSON floats)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["gate_settings"] = {f.name: getattr(self.gate_settings, f.name) for f in fields(GateSettings)}
+        return out
+
+
+@dataclass(frozen=True)
+class UnlabeledResult:
+    """What label-free adaptation did and why the result is the model the runner now holds.
+
+    Attributes:
+        kept: ``True``: the runner holds the adapted model; ``False``: the source model (the gate
+            refused the adaptation, or nothing was adapted).
+        gate: the gate's decision and evidence, ``None`` without a gate.
+        stages: the stages applied and kept (``stats``, ``entropy``, ``prototypes``).
+        skipped: stages that could not run on this bundle, with the reason.
+        resets: the last resets (at most ``MAX_RESETS_KEPT``): the stage (or ``gate``, in a
+            stream) and what was seen; n_resets: how many there were in all.
+        n_adapt_windows: windows adapted on; n_gate_windows: windows held back for the gate.
+        stats_weight: the final target weight ``w`` of the statistics (0 when not applied).
+        steps: entropy optimizer steps taken; updates: batches seen.
+        settings: the settings used (JSON form).
+        time_s: wall time; call_peak_bytes / call_peak_anon_bytes: the call's memory over the
+            state before it (see :class:`~edgeadapt.runtime.AdaptResult`); ``None`` where not
+            measured (a stream measured by its caller).
+    """
+
+    kept: bool
+    gate: GateDecision | None
+    stages: tuple[str, ...]
+    skipped: tuple[str, ...]
+    resets: tuple[str, ...]
+    n_resets: int
+    n_adapt_windows: int
+    n_gate_windows: int
+    stats_weight: float
+    steps: int
+    updates: int
+    settings: dict
+    time_s: float
+    call_peak_bytes: int | None = None
+    call_peak_anon_bytes: int | None = None
+
+
+class UnlabeledAdapter:
+    """Label-free adaptation of one runner, fed batch by batch (see module docstring).
+
+    Use :meth:`hold_back` for the gate's windows (a stream's first ``gate_windows`` windows go
+    there by themselves), :meth:`update` with each batch, then :meth:`finish`.
+    """
+
+    def __init__(self, runner, settings: UnlabeledSettings | None = None):
+        self.runner = runner
+        self.settings = settings or UnlabeledSettings()
+        s = self.settings
+        backend = runner._backend
+        self._backend = backend
+        names = backend.parameter_names()
+        self._stats_names = [n for n in names if n.endswith(_STATS_SUFFIXES)]
+        self._trained = backend.parameter_names(trainable_only=True)
+        self._skipped: list[str] = []
+        self._head: HeadFeatures | None = None
+        try:
+            self._head = HeadFeatures(runner.export_inference, names, backend.get_tensor)
+        except ValueError as e:
+            self._skipped.append(f"prototypes and gate: {e}")
+        if s.prototype_mix > 0 and self._head is None:
+            raise ValueError(self._skipped[-1].split(": ", 1)[1])
+        head = [] if self._head is None else [n for n in (self._head.head.weight, self._head.head.bias) if n]
+        self._source = {n: backend.get_tensor(n) for n in dict.fromkeys(self._stats_names + self._trained + head)}
+        self._stats_on = math.isfinite(s.stats_prior_windows) and bool(self._stats_names)
+        if math.isfinite(s.stats_prior_windows) and not runner.manifest.batch_statistics:
+            self._skipped.append("stats: the bundle normalises with frozen statistics (export with batchnorm='batch')")
+            self._stats_on = False
+        self._entropy_on = s.entropy_steps > 0 and bool(self._trained)
+        if s.entropy_steps > 0 and runner.manifest.loss != "entropy":
+            self._skipped.append("entropy: the bundle's loss is not 'entropy' (export with loss='entropy')")
+            self._entropy_on = False
+        self._rng = np.random.default_rng(s.seed)
+        self._momentum: dict[str, np.ndarray] | None = None
+        self._reset_sums()
+        # held-back windows and the source model's evidence on them
+        self._gate_X: np.ndarray | None = None
+        self._gate_fill = 0
+        self._collecting = True
+        self._gate_source = None
+        self._resets: deque[str] = deque(maxlen=MAX_RESETS_KEPT)
+        self._n_resets = 0
+        self._steps = self._updates = self._n_adapt = 0
+        self._start = time.perf_counter()
+
+    # ---- accumulators -------------------------------------------------------------------
+    def _reset_sums(self) -> None:
+        """Per-channel statistic sums and per-class prototype sums: fixed size."""
+        self._stats_n = 0
+        self._stats_sum = {n: np.zeros_like(self._source[n], dtype=np.float64) for n in self._stats_names
+                           if n.endswith("running_mean")}
+        self._stats_sq = {n: np.zeros_like(v) for n, v in self._stats_sum.items()}
+        self._proto_sum: np.ndarray | None = None
+        self._proto_n: np.ndarray | None = None
+        self._entropy_applied = 0
+
+    def _restore(self, names) -> None:
+        for n in names:
+            self._backend.set_tensor(n, self._source[n])
+
+    def _take(self, names) -> dict[str, np.ndarray]:
+        return {n: self._backend.get_tensor(n) for n in names}
+
+    def _put(self, values: dict[str, np.ndarray]) -> None:
+        for n, v in values.items():
+            self._backend.set_tensor(n, v)
+
+    def _logits(self, X: np.ndarray) -> np.ndarray:
+        return self._head.run(X)[1] if self._head is not None else self.runner.predict(X)
+
+    # ---- the gate's windows -------------------------------------------------------------
+    def hold_back(self, X: np.ndarray, last: bool = False) -> np.ndarray:
+        """Keep windows of ``X`` for the gate (until ``gate_windows`` are kept); returns the rest.
+
+        Held-back windows are never adapted on; the source model's evidence on them is taken
+        when they arrive, so hold windows back before the first :meth:`update` that adapts.
+        ``last``: no further windows are held back (else :meth:`update` keeps filling the
+        gate's windows from its batches until there are ``gate_windows``).
+        """
+        s = self.settings
+        if not self._collecting or not s.gate or self._head is None or self._gate_fill >= s.gate_windows:
+            return X
+        self._collecting = not last
+        if self._updates:
+            raise RuntimeError("hold windows back before the first update: the source model is needed for them")
+        take = min(len(X), s.gate_windows - self._gate_fill)
+        if self._gate_X is None:
+            self._gate_X = np.empty((s.gate_windows, *X.shape[1:]), dtype=np.float32)
+        self._gate_X[self._gate_fill:self._gate_fill + take] = X[:take]
+        self._gate_fill += take
+        self._gate_source = self._evidence()
+        return X[take:]
+
+    def _evidence(self):
+        X = self._gate_X[:self._gate_fill]
+        views = augmented_views(X, self.settings.seed, self.settings.gate_views)
+        return evidence(self._logits(X), [self._logits(v) for v in views])
+
+    # ---- stages -------------------------------------------------------------------------
+    def _target_statistics(self, X: np.ndarray) -> None:
+        """Add the batch's per-channel statistics to the sums (see module docstring).
+
+        The backend's statistics pass returns ``m * previous + (1 - m) * batch`` for each
+        running statistic (``m`` the BatchNorm momentum); run from zeros it returns
+        ``(1 - m) * batch``, and ``m`` itself is measured once from a second run from ones.
+        """
+        from .features import suffix_inputs
+
+        kept = self._take(self._stats_names)
+        x = suffix_inputs(self.runner._prefix, X, len(X))
+
+        def run_from(value: float) -> dict[str, np.ndarray]:
+            self._put({n: np.full_like(kept[n], value) for n in self._stats_names})
+            _, applied = self._backend.update_statistics(x, None)
+            if not applied:
+                raise FloatingPointError("the target windows give non-finite BatchNorm statistics; check the data")
+            return self._take(self._stats_names)
+
+        zero = run_from(0.0)
+        if self._momentum is None:
+            one = run_from(1.0)
+            self._momentum = {n: (one[n] - zero[n]).astype(np.float64) for n in self._stats_names}
+        self._put(kept)
+        b = len(X)
+        for n in self._stats_sum:
+            var_name = n[:-len("running_mean")] + "running_var"
+            mean = zero[n] / (1.0 - self._momentum[n])
+            var = zero[var_name] / (1.0 - self._momentum[var_name])
+            self._stats_sum[n] += b * mean
+            self._stats_sq[n] += b * (var + mean * mean)
+        self._stats_n += b
+
+    @property
+    def stats_weight(self) -> float:
+        """``w = n / (n + N0)`` for the target windows accumulated so far (0 when stage 1 is off)."""
+        if not self._stats_on or not self._stats_n:
+            return 0.0
+        return self._stats_n / (self._stats_n + self.settings.stats_prior_windows)
+
+    def _apply_statistics(self) -> None:
+        w = self.stats_weight
+        for n in self._stats_sum:
+            var_name = n[:-len("running_mean")] + "running_var"
+            mean = self._stats_sum[n] / self._stats_n
+            var = np.maximum(self._stats_sq[n] / self._stats_n - mean * mean, 0.0)
+            self._backend.set_tensor(n, ((1 - w) * self._source[n] + w * mean).astype(np.float32))
+            self._backend.set_tensor(var_name, ((1 - w) * self._source[var_name] + w * var).astype(np.float32))
+
+    def _entropy_steps(self, X: np.ndarray) -> None:
+        s = self.settings
+        stats = self._take(self._stats_names)
+        for _ in range(s.entropy_steps):
+            ent = normalized_entropy(softmax(self._logits(X)))
+            reliable = np.flatnonzero(ent < s.entropy_threshold)
+            if len(reliable) < 2:
+                break
+            batch = self._rng.permutation(reliable)[:s.batch_size]
+            self.runner.train_step(X[batch], None, lr=s.lr)
+            self._put(stats)  # the training graph moves the running statistics: stage 1 owns them
+            if s.anchor > 0:
+                for n in self._trained:
+                    v = self._backend.get_tensor(n)
+                    self._backend.set_tensor(n, v - s.anchor * (v - self._source[n]))
+            self._steps += 1
+            self._entropy_applied += 1
+
+    def _prototypes(self, X: np.ndarray) -> None:
+        s = self.settings
+        head = self._head.head
+        feats, logits = self._head.run(X)
+        probs = softmax(logits)
+        classes = probs.argmax(axis=1)
+        confident = normalized_entropy(probs) < s.prototype_threshold
+        n_classes = probs.shape[1]
+        if self._proto_sum is None:
+            self._proto_sum = np.zeros((n_classes, feats.shape[1]))
+            self._proto_n = np.zeros(n_classes, dtype=np.int64)
+        np.add.at(self._proto_sum, classes[confident], feats[confident])
+        self._proto_n += np.bincount(classes[confident], minlength=n_classes)
+        W = self._source[head.weight].astype(np.float64)
+        W = W if head.transposed else W.T  # (classes, features)
+        b = (self._source[head.bias].astype(np.float64) if head.bias else np.zeros(n_classes))
+        have = self._proto_n >= s.min_prototype_windows
+        if not have.any():
+            return
+        mu = self._proto_sum[have] / self._proto_n[have, None]
+        k = np.linalg.norm(W[have]) / max(np.linalg.norm(mu), 1e-12)
+        W_new, b_new = W.copy(), b.copy()
+        W_new[have] = (1 - s.prototype_mix) * W[have] + s.prototype_mix * k * mu
+        b_new[have] = (1 - s.prototype_mix) * b[have] - s.prototype_mix * k * 0.5 * (mu * mu).sum(axis=1)
+        self._backend.set_tensor(head.weight, (W_new if head.transposed else W_new.T).astype(np.float32))
+        if head.bias:
+            self._backend.set_tensor(head.bias, b_new.astype(np.float32))
+
+    def _check_collapse(self, stage: str, X: np.ndarray, before: dict[str, np.ndarray],
+                        reference) -> bool:
+        """Reset ``stage`` (restore ``before``) when the model collapsed on ``X``; True if reset."""
+        now = evidence(self._logits(X), [])
+        why = collapsed(now, reference, self.settings.gate_settings)
+        if why is None:
+            return False
+        self._put(before)
+        self._resets.append(f"{stage} (update {self._updates + 1}): {why}")
+        self._n_resets += 1
+        log.warning("label-free %s reset: %s", stage, why)
+        return True
+
+    # ---- public -------------------------------------------------------------------------
+    def update(self, X: np.ndarray) -> None:
+        """Adapt on one batch of unlabeled windows (validated as :meth:`Runner.predict` does).
+
+        While the gate still wants windows (a stream's beginning), they are held back first.
+        """
+        from .validate import check_inputs
+
+        X = check_inputs(self.runner.manifest, X)
+        X = self.hold_back(X)
+        if not len(X):
+            return
+        reference = evidence(self._logits(X), []) if self._head is not None else None
+        if self._stats_on:
+            before = self._take(self._stats_names)
+            for start in range(0, len(X), STATS_BATCH_WINDOWS):
+                self._target_statistics(X[start:start + STATS_BATCH_WINDOWS])
+            self._apply_statistics()
+            if reference is not None and self._check_collapse("stats", X, before, reference):
+                self._stats_on = False
+        if self._entropy_on:
+            before = self._take(self._trained)
+            self._entropy_steps(X)
+            if reference is not None and self._check_collapse("entropy", X, before, reference):
+                self._entropy_on = False
+        if self._head is not None and self.settings.prototype_mix > 0:
+            head = [n for n in (self._head.head.weight, self._head.head.bias) if n]
+            before = self._take(head)
+            self._prototypes(X)
+            if self._check_collapse("prototypes", X, before, reference):
+                self._proto_sum = self._proto_n = None
+        self._n_adapt += len(X)
+        self._updates += 1
+
+    def stages(self) -> tuple[str, ...]:
+        """The stages that are on (not skipped, not reset)."""
+        return tuple(name for name, on in (("stats", self._stats_on and self._stats_n > 0),
+                                           ("entropy", self._entropy_on and self._entropy_applied > 0),
+                                           ("prototypes", self._proto_n is not None
+                                            and bool((self._proto_n >= self.settings.min_prototype_windows).any())))
+                     if on)
+
+    def gate(self) -> GateDecision | None:
+        """The gate's decision on the current adaptation (``None`` without held-back windows)."""
+        if self._gate_source is None or not self._gate_fill:
+            return None
+        return decide(self._gate_source, self._evidence(), self.settings.gate_settings)
+
+    def check_gate(self) -> bool:
+        """Ask the gate now; when it refuses, reset to the source model (recorded). True if kept."""
+        decision = self.gate()
+        if decision is None or decision.kept or not self.stages():
+            return True
+        self._resets.append(f"gate (update {self._updates}): " + "; ".join(decision.reasons))
+        self._n_resets += 1
+        self.reset()
+        return False
+
+    def reset(self) -> None:
+        """Return to the source model and clear every accumulated sum."""
+        self._restore(self._source)
+        self._reset_sums()
+
+    def finish(self) -> UnlabeledResult:
+        """Apply the gate (returning to the source model if it refuses) and report."""
+        decision = self.gate()
+        stages = self.stages()
+        kept = bool(stages) and (decision is None or decision.kept)
+        weight = self.stats_weight if "stats" in stages else 0.0
+        if not kept:
+            self.reset()
+            self.runner._clean_checkpoint = None
+        elif stages:
+            self.runner._clean_checkpoint = None
+        if decision is not None:
+            log.info("label-free gate: %s%s", "kept" if decision.kept else "returned to the source model",
+                     "" if decision.kept else " (" + "; ".join(decision.reasons) + ")")
+        return UnlabeledResult(kept, decision, stages if kept else (), tuple(self._skipped), tuple(self._resets), self._n_resets,
+                               self._n_adapt, self._gate_fill, weight if kept else 0.0, self._steps, self._updates,
+                               self.settings.to_dict(), time.perf_counter() - self._start)
+
+
+def _with_peaks(result: UnlabeledResult, peaks: AdaptPeaks) -> UnlabeledResult:
+    measured = peaks.result()
+    return UnlabeledResult(**{**vars(result), "call_peak_bytes": measured.call_peak_bytes,
+                              "call_peak_anon_bytes": measured.call_peak_anon_bytes})
+
+
+def adapt_unlabeled(runner, X: np.ndarray, settings: UnlabeledSettings | None = None) -> UnlabeledResult:
+    """Adapt ``runner`` on the unlabeled windows ``X`` in one pass; see :class:`UnlabeledAdapter`.
+
+    A seeded ``gate_fraction`` of ``X`` (at most ``gate_windows``, at least one window) is held
+    back for the gate; the rest is adapted on as one batch.
+    """
+    from .validate import check_inputs
+
+    settings = settings or UnlabeledSettings()
+    X = check_inputs(runner.manifest, X)
+    if len(X) < 2:
+        raise ValueError(f"label-free adaptation needs at least 2 windows, got {len(X)}")
+    with AdaptPeaks() as peaks:
+        adapter = UnlabeledAdapter(runner, settings)
+        order = np.random.default_rng(settings.seed).permutation(len(X))
+        n_gate = min(settings.gate_windows, max(1, int(round(settings.gate_fraction * len(X)))))
+        if settings.gate:
+            adapter.hold_back(X[order[:n_gate]], last=True)
+            adapter.update(X[order[n_gate:]])
+        else:
+            adapter.update(X)
+        result = adapter.finish()
+    return _with_peaks(result, peaks)
+
+
+def adapt_stream(runner, batches: Iterable[np.ndarray], settings: UnlabeledSettings | None = None) -> UnlabeledResult:
+    """Adapt ``runner`` on a stream of unlabeled batches, one :meth:`UnlabeledAdapter.update` each.
+
+    The stream's first ``gate_windows`` windows are held back for the gate; nothing else is
+    kept from a batch once it is processed, so memory does not grow with the stream. The gate
+    is asked after every batch that adapted: when it refuses, the runner returns to the source
+    model and the sums start again (recorded in ``resets``), so the model held between batches
+    is one the gate accepted.
+    """
+    with AdaptPeaks() as peaks:
+        adapter = UnlabeledAdapter(runner, settings)
+        for batch in batches:
+            adapter.update(batch)
+            adapter.check_gate()
+        result = adapter.finish()
+    return _with_peaks(result, peaks)

@@ -1,0 +1,331 @@
+"""Safe label-free adaptation (edgeadapt.runtime.unlabeled, .safety_gate, .head_features).
+
+A hand-built toy model makes every expected outcome computable: a 1x1 convolution (identity),
+BatchNorm (source statistics mean 0, variance 1), the mean over time and a linear head equal
+to the identity, so the logits are the per-channel means of the (normalised) input. Class ``k``
+windows carry ``AMPLITUDE`` on channel ``k`` plus small noise: the source model is right on them.
+"""
+
+from __future__ import annotations
+
+import gc
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from edgeadapt.runtime.safety_gate import GateSettings, ModelEvidence, augmented_views, decide, evidence
+from edgeadapt.runtime.unlabeled import UnlabeledAdapter, UnlabeledSettings
+
+N_CLASSES = 3
+TIME_STEPS = 8
+AMPLITUDE = 6.0
+NOISE = 0.1
+# stages off unless a test turns them on
+OFF = dict(stats_prior_windows=float("inf"), prototype_mix=0.0, gate=False)
+
+
+@pytest.fixture(scope="module")
+def toy_bundle(tmp_path_factory):
+    import torch
+    from torch import nn
+
+    from edgeadapt.export import UpdatePolicy, export_bundle
+
+    class Toy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv1d(N_CLASSES, N_CLASSES, 1, bias=False)
+            self.bn = nn.BatchNorm1d(N_CLASSES)
+            self.head = nn.Linear(N_CLASSES, N_CLASSES)
+
+        def forward(self, x):
+            return self.head(self.bn(self.conv(x)).mean(-1))
+
+    model = Toy()
+    with torch.no_grad():
+        model.conv.weight.copy_(torch.eye(N_CLASSES)[:, :, None])
+        model.head.weight.copy_(torch.eye(N_CLASSES))
+        model.head.bias.zero_()
+    model.eval()
+    out = tmp_path_factory.mktemp("toy") / "bundle"
+    export_bundle(model, torch.zeros(2, N_CLASSES, TIME_STEPS), out, policy=UpdatePolicy.parse("bias-norm"),
+                  loss="entropy", batchnorm="batch", backend="ort-training")
+    return out
+
+
+def windows(means: np.ndarray, seed: int = 0) -> np.ndarray:
+    """Windows whose channel means are the rows of ``means`` (plus noise of std NOISE)."""
+    rng = np.random.default_rng(seed)
+    noise = NOISE * rng.standard_normal((len(means), N_CLASSES, TIME_STEPS))
+    return (means[:, :, None] + noise).astype(np.float32)
+
+
+def balanced(n_per_class: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    y = np.repeat(np.arange(N_CLASSES), n_per_class)
+    return windows(AMPLITUDE * np.eye(N_CLASSES)[y], seed), y
+
+
+def load(bundle):
+    from edgeadapt.runtime import Runner
+
+    return Runner.load(bundle, device="cpu", threads=1)
+
+
+def accuracy(runner, X, y) -> float:
+    return float((runner.predict(X).argmax(1) == y).mean())
+
+
+def test_source_anchored_statistics_weight_and_values(toy_bundle):
+    """A common offset on every channel is removed in proportion w = n / (n + N0)."""
+    X, y = balanced(20)
+    offset = np.float32(4.0)
+    runner = load(toy_bundle)
+    adapter = UnlabeledAdapter(runner, UnlabeledSettings(**{**OFF, "stats_prior_windows": 20.0}))
+    adapter.update(X + offset)
+    n = len(X)
+    w = n / (n + 20.0)
+    assert adapter.stats_weight == pytest.approx(w)
+    # target statistics of the BatchNorm input: per channel mean offset + AMPLITUDE / 3
+    target_mean = offset + AMPLITUDE / N_CLASSES
+    target_var = AMPLITUDE**2 * (1 / N_CLASSES) * (1 - 1 / N_CLASSES) + NOISE**2
+    mean = runner._backend.get_tensor("bn.running_mean")
+    var = runner._backend.get_tensor("bn.running_var")
+    # tolerance: the sample mean/var of 60 windows x 8 steps of noise std 0.1 (a few 1e-2 at most)
+    np.testing.assert_allclose(mean, w * target_mean, atol=0.05)
+    np.testing.assert_allclose(var, (1 - w) * 1.0 + w * target_var, rtol=0.05)
+
+
+def test_statistics_repair_an_offset_that_fools_the_source(toy_bundle):
+    """Channel 2 offset by 1.5 x AMPLITUDE: the source model calls everything class 2; the
+    target's statistics (many windows, small N0) put the classes back."""
+    X, y = balanced(30)
+    X[:, 2] += 1.5 * AMPLITUDE
+    runner = load(toy_bundle)
+    assert accuracy(runner, X, y) < 0.5
+    UnlabeledAdapter(runner, UnlabeledSettings(**{**OFF, "stats_prior_windows": 1.0})).update(X)
+    assert accuracy(runner, X, y) > 0.95
+
+
+def test_prototypes_adjust_a_shifted_toy_problem(toy_bundle):
+    """Class 0's windows moved next to class 1's (features (4, 4.4, 0)): the source head calls
+    most of them class 1 and is unsure; classes 1 and 2 stay confident. Their prototypes make
+    rows k * mu_c and biases -k |mu_c|^2 / 2 with k = |W rows| / |mu rows| = sqrt(2) / sqrt(72)
+    = 1/6, i.e. row 1 = (0, 1, 0), bias -3; class 0 keeps its source row (1, 0, 0): a class-0
+    window's logits become (4, 1.4, -3), right."""
+    y = np.repeat(np.arange(N_CLASSES), 20)
+    means = AMPLITUDE * np.eye(N_CLASSES)[y]
+    means[y == 0] = (4.0, 4.4, 0.0)
+    X = windows(means, seed=1)
+    runner = load(toy_bundle)
+    before = accuracy(runner, X, y)
+    assert before < 0.75
+    adapter = UnlabeledAdapter(runner, UnlabeledSettings(**{**OFF, "prototype_mix": 1.0}))
+    adapter.update(X)
+    W = runner._backend.get_tensor("head.weight")
+    b = runner._backend.get_tensor("head.bias")
+    np.testing.assert_allclose(W[1], [0, 1, 0], atol=0.02)  # k * mu_1 = (1/6) * (0, 6, 0)
+    np.testing.assert_allclose(b[1], -3.0, atol=0.1)  # -k |mu_1|^2 / 2
+    np.testing.assert_array_equal(W[0], [1, 0, 0])  # no confident class-0 window: the source row
+    assert accuracy(runner, X, y) > 0.95
+    assert "prototypes" in adapter.stages()
+
+
+def test_reliable_entropy_steps_train_and_anchor_pulls_back(toy_bundle):
+    y = np.repeat(np.arange(N_CLASSES), 10)
+    X = windows(1.5 * np.eye(N_CLASSES)[y])  # unsure predictions: entropy has room to fall
+    free, anchored = load(toy_bundle), load(toy_bundle)
+    source = free._backend.get_tensor("bn.bias")
+    settings = dict(**OFF, entropy_steps=5, lr=0.05, entropy_threshold=1.0)
+    UnlabeledAdapter(free, UnlabeledSettings(**settings, anchor=0.0)).update(X)
+    UnlabeledAdapter(anchored, UnlabeledSettings(**settings, anchor=0.5)).update(X)
+    moved_free = np.abs(free._backend.get_tensor("bn.bias") - source).max()
+    moved_anchored = np.abs(anchored._backend.get_tensor("bn.bias") - source).max()
+    assert moved_free > 1e-3
+    assert moved_anchored < moved_free
+    # the running statistics belong to stage 1 (off here): training steps must not move them
+    np.testing.assert_array_equal(anchored._backend.get_tensor("bn.running_mean"), np.zeros(N_CLASSES, np.float32))
+
+
+def test_no_reliable_window_means_no_step(toy_bundle):
+    X, _ = balanced(5)
+    runner = load(toy_bundle)
+    adapter = UnlabeledAdapter(runner, UnlabeledSettings(**OFF, entropy_steps=3, entropy_threshold=0.0))
+    adapter.update(X)
+    assert adapter.stages() == () and runner.step == 0
+
+
+def test_collapse_resets_the_stage(toy_bundle, monkeypatch):
+    """A stage that makes the model call everything class 0 is undone and recorded."""
+    X, _ = balanced(10)
+    runner = load(toy_bundle)
+    adapter = UnlabeledAdapter(runner, UnlabeledSettings(**{**OFF, "prototype_mix": 0.5}))
+    head_before = runner._backend.get_tensor("head.weight"), runner._backend.get_tensor("head.bias")
+
+    def collapse(X):
+        runner._backend.set_tensor("head.weight", np.zeros((N_CLASSES, N_CLASSES), np.float32))
+        runner._backend.set_tensor("head.bias", np.array([10.0, 0.0, 0.0], np.float32))
+
+    monkeypatch.setattr(adapter, "_prototypes", collapse)
+    adapter.update(X)
+    assert len(adapter._resets) == 1 and adapter._resets[0].startswith("prototypes")
+    np.testing.assert_array_equal(runner._backend.get_tensor("head.weight"), head_before[0])
+    np.testing.assert_array_equal(runner._backend.get_tensor("head.bias"), head_before[1])
+
+
+def test_gate_returns_to_source_when_adaptation_breaks_the_model(toy_bundle):
+    """Windows of one class only with statistics fully the target's (N0 = 0): the BatchNorm
+    removes the class signal and the predictions follow the noise, which the views do not share:
+    the gate refuses and the runner holds the source model again, bit for bit."""
+    X = windows(np.tile(AMPLITUDE * np.eye(N_CLASSES)[1], (40, 1)), seed=2)
+    runner = load(toy_bundle)
+    source = {n: runner._backend.get_tensor(n) for n in runner._backend.parameter_names()}
+    result = runner.adapt_unlabeled(X, UnlabeledSettings(stats_prior_windows=0.0, prototype_mix=0.0,
+                                                         gate_fraction=0.5))
+    assert not result.kept and result.gate is not None and not result.gate.kept
+    assert result.gate.reasons
+    assert result.gate.adapted.view_agreement < result.gate.source.view_agreement
+    for n, v in source.items():
+        np.testing.assert_array_equal(runner._backend.get_tensor(n), v, err_msg=n)
+
+
+def test_gate_keeps_a_helpful_adaptation(toy_bundle):
+    X, y = balanced(30)
+    X[:, 2] += 1.5 * AMPLITUDE
+    runner = load(toy_bundle)
+    # the source model calls every window class 2: two thirds change class, allowed here
+    gate = GateSettings(max_changed_fraction=0.8)
+    result = runner.adapt_unlabeled(X, UnlabeledSettings(stats_prior_windows=1.0, prototype_mix=0.0, gate_settings=gate))
+    assert result.kept and result.gate.kept and result.stages == ("stats",)
+    assert result.n_gate_windows + result.n_adapt_windows == len(X)
+    assert accuracy(runner, X, y) > 0.95
+
+
+def evidence_of(agreement: float, entropy: float, classes: list[int]) -> ModelEvidence:
+    share = np.bincount(classes).max() / len(classes)
+    return ModelEvidence(agreement, entropy, float(share), tuple(classes))
+
+
+@pytest.mark.parametrize("adapted, reason", [
+    (evidence_of(0.99, 0.3, [0] * 20), "collapse"),
+    (evidence_of(0.99, 0.001, [0, 1, 2, 1] * 5), "collapse"),
+    (evidence_of(0.80, 0.3, [0, 1, 2, 0] * 5), "view agreement"),
+    (evidence_of(0.99, 0.3, [1, 2, 0, 0] * 5), "changed class"),
+])
+def test_gate_criteria(adapted, reason):
+    source = evidence_of(0.9, 0.3, [0, 1, 2, 0] * 5)
+    decision = decide(source, adapted, GateSettings(max_changed_fraction=0.5))
+    assert not decision.kept and any(reason in r for r in decision.reasons)
+    assert decide(source, source, GateSettings()).kept
+
+
+def test_evidence_and_views():
+    X = np.random.default_rng(0).standard_normal((10, 3, 20)).astype(np.float32)
+    views = augmented_views(X, seed=0, n_views=3)
+    assert len(views) == 3 and all(v.shape == X.shape and v.dtype == np.float32 for v in views)
+    assert not np.array_equal(views[0], X)
+    np.testing.assert_array_equal(augmented_views(X, seed=0, n_views=3)[1], views[1])  # seeded
+    logits = np.eye(3)[[0, 1, 2, 0, 1, 2, 0, 1, 2, 0]] * 5
+    e = evidence(logits, [logits, logits[::-1]])
+    assert e.max_class_share == pytest.approx(0.4)
+    assert e.view_agreement == pytest.approx((1.0 + np.mean(logits.argmax(1) == logits[::-1].argmax(1))) / 2)
+
+
+def held_arrays_bytes(adapter: UnlabeledAdapter) -> int:
+    total = 0
+    for value in vars(adapter).values():
+        items = value.values() if isinstance(value, dict) else [value]
+        total += sum(v.nbytes for v in items if isinstance(v, np.ndarray))
+    return total
+
+
+def test_stream_memory_does_not_grow(toy_bundle):
+    """Many batches: what the adapter holds is the same after 20 and after 200 batches, and the
+    Python/numpy heap does not grow by as much as one batch per 10 batches."""
+    runner = load(toy_bundle)
+    adapter = UnlabeledAdapter(runner, UnlabeledSettings(stats_prior_windows=16.0, prototype_mix=0.3,
+                                                         gate_windows=12, entropy_steps=1, lr=1e-3))
+    batch_bytes = balanced(2)[0].nbytes
+    tracemalloc.start()
+    try:
+        for i in range(200):
+            adapter.update(balanced(2, seed=i)[0])
+            adapter.check_gate()
+            if i == 19:
+                gc.collect()  # cyclic garbage waiting for the collector is no growth
+                held, traced = held_arrays_bytes(adapter), tracemalloc.get_traced_memory()[0]
+        gc.collect()
+        assert held_arrays_bytes(adapter) == held
+        assert tracemalloc.get_traced_memory()[0] - traced < 18 * batch_bytes
+    finally:
+        tracemalloc.stop()
+    result = adapter.finish()
+    assert result.n_gate_windows == 12 and result.updates == 200 - 2  # the first 12 windows were held back
+    assert result.n_adapt_windows == 200 * 6 - 12
+
+
+def test_adapt_stream_matches_its_batches(toy_bundle):
+    X, y = balanced(30)
+    X[:, 2] += 1.5 * AMPLITUDE
+    runner = load(toy_bundle)
+    order = np.random.default_rng(0).permutation(len(X))
+    result = runner.adapt_stream((X[order[i:i + 10]] for i in range(0, len(X), 10)),
+                                 UnlabeledSettings(stats_prior_windows=1.0, prototype_mix=0.0, gate_windows=10,
+                                                   gate_settings=GateSettings(max_changed_fraction=0.8)))
+    assert result.kept and result.n_gate_windows == 10 and result.n_adapt_windows == 80
+    assert accuracy(runner, X, y) > 0.95
+
+
+def test_settings_are_checked_and_round_trip():
+    s = UnlabeledSettings(stats_prior_windows=32.0, prototype_mix=0.2)
+    assert UnlabeledSettings.from_dict(s.to_dict()) == s
+    with pytest.raises(ValueError, match="unknown label-free settings"):
+        UnlabeledSettings.from_dict({"stats_prior": 3})
+    with pytest.raises(ValueError, match="prototype_mix"):
+        UnlabeledSettings(prototype_mix=2.0)
+    with pytest.raises(ValueError, match="gate_fraction"):
+        UnlabeledSettings(gate_fraction=1.0)
+
+
+# ---- edgeadapt adapt --unlabeled ---------------------------------------------------------------
+def _data_file(tmp_path, X, y):
+    from edgeadapt.datasets import WindowDataset
+
+    ds = WindowDataset(X, y.astype(np.int64), np.zeros(len(y), np.int64), tuple(f"c{k}" for k in range(N_CLASSES)),
+                       tuple(f"ch{k}" for k in range(N_CLASSES)), None)
+    return ds.save_npz(tmp_path / "data.npz")
+
+
+@pytest.mark.parametrize("stream", [None, "8"])
+def test_cli_adapt_unlabeled(tmp_path, toy_bundle, capsys, stream):
+    import json
+
+    from edgeadapt.cli import main
+
+    X, y = balanced(40)
+    X[:, 2] += 1.5 * AMPLITUDE
+    data = _data_file(tmp_path, X, y)
+    args = ["adapt", str(toy_bundle), "--data", str(data), "--out", str(tmp_path / "out"), "--unlabeled", "--json",
+            "--device", "cpu"] + (["--stream-batch", stream] if stream else [])
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["n_gate_windows"] + report["n_adapt_windows"] == len(X)
+    assert report["gate"] is not None and set(report["gate"]) >= {"kept", "reasons", "source", "adapted"}
+    gate_windows = UnlabeledSettings().gate_windows  # a stream's first ones are held back
+    assert report["updates"] == (1 if stream is None else (len(X) - gate_windows) // 8)
+    assert (tmp_path / "out" / "manifest.json").is_file()
+    # what was saved is what the runner held after the gate
+    runner = load(tmp_path / "out")
+    assert (accuracy(runner, X, y) > 0.95) == report["kept"]
+
+
+@pytest.mark.parametrize("extra, message", [(["--stream-batch", "4"], "add --unlabeled"),
+                                            (["--unlabeled", "--stream-batch", "0"], "--stream-batch must be >= 1")])
+def test_cli_unlabeled_bad_options(tmp_path, toy_bundle, capsys, extra, message):
+    from edgeadapt.cli import main
+
+    X, y = balanced(4)
+    data = _data_file(tmp_path, X, y)
+    assert main(["adapt", str(toy_bundle), "--data", str(data), "--out", str(tmp_path / "out"), *extra]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
