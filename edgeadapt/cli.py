@@ -14,6 +14,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+from .interrupt import INTERRUPTED
+
 __all__ = ["main", "build_parser"]
 
 # Third-party packages a command's extra brings; a command that finds one missing names the
@@ -168,8 +170,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_adapt(args: argparse.Namespace) -> int:
+    try:
+        return _adapt(args)
+    except KeyboardInterrupt:  # Ctrl-C outside the training steps (loading, saving): nothing was saved
+        print("interrupted; nothing saved", file=sys.stderr)
+        return INTERRUPTED
+
+
+def _adapt(args: argparse.Namespace) -> int:
     from .bundle import read_manifest
-    from .runtime import NonFiniteLossError, Runner
+    from .runtime import AdaptInterrupted, NonFiniteLossError, Runner
     from .runtime.validate import check_learning_rate
 
     if args.lr is not None:
@@ -191,6 +201,14 @@ def cmd_adapt(args: argparse.Namespace) -> int:
         out = runner.save(args.out)
         print(f"error: {e}\nthe last good state (step {runner.step}) was saved to {out}", file=sys.stderr)
         return 3
+    except AdaptInterrupted as stop:
+        if not stop.epochs_done:
+            print("interrupted before the first epoch ended; nothing saved", file=sys.stderr)
+        else:
+            out = runner.save(args.out)
+            print(f"interrupted: saved epoch {runner.epoch} (step {runner.step}), the last completed one, to {out}",
+                  file=sys.stderr)
+        return INTERRUPTED
     out = runner.save(args.out)
     losses = ", ".join(f"{v:.4f}" for v in result.epoch_losses)
     print(f"done: {result.steps} steps in {result.time_s:.1f} s; epoch losses {losses}; saved to {out}")

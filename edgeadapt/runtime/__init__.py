@@ -9,7 +9,8 @@ from . import ort_import  # noqa: F401
 # isort: split
 from ..bundle import BundleError, Manifest, read_manifest
 from .device import DEVICES
-from .errors import DeviceUnavailableError, InputError, NonFiniteLossError, NonFiniteStateError, NonFiniteUpdateError
+from .errors import (AdaptInterrupted, DeviceUnavailableError, InputError, NonFiniteLossError, NonFiniteStateError,
+                     NonFiniteUpdateError)
 from .runner import SCHEDULES, AdaptResult, EvalResult, Runner
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "NonFiniteLossError",
     "NonFiniteUpdateError",
     "NonFiniteStateError",
+    "AdaptInterrupted",
     "DEVICES",
     "SCHEDULES",
 ]

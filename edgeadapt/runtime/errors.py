@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..bundle import BundleError
 
 __all__ = ["BundleError", "InputError", "DeviceUnavailableError", "NonFiniteLossError", "NonFiniteUpdateError",
-           "NonFiniteStateError"]
+           "NonFiniteStateError", "AdaptInterrupted"]
 
 
 class InputError(ValueError):
@@ -68,6 +68,21 @@ class NonFiniteUpdateError(NonFiniteLossError):
 
     def rolled_back(self, restored_step: int) -> NonFiniteUpdateError:
         return NonFiniteUpdateError(self.step, self.loss, self.reason, self.applied, restored_step)
+
+
+class AdaptInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped :meth:`Runner.adapt` at a step boundary; the runner was brought back to the
+    end of the last completed epoch (parameters and optimizer state, as after a non-finite loss),
+    so it can be saved and resumed.
+
+    Attributes:
+        step, epoch: the runner's step and epoch now (the end of the last completed epoch).
+        epochs_done: epochs this call completed (0: the runner is as before the call).
+    """
+
+    def __init__(self, step: int, epoch: int, epochs_done: int):
+        self.step, self.epoch, self.epochs_done = step, epoch, epochs_done
+        super().__init__(f"interrupted; the runner holds the end of epoch {epoch} (step {step}), the last completed one")
 
 
 class NonFiniteStateError(ValueError):

@@ -34,7 +34,8 @@ from ..bundle import BundleError, Manifest, bundle_lock, read_manifest, sha256_f
 from .backend import OrtTrainingBackend, TrainingBackend
 from .engines import STATE_ROLES, choose_backend, dropped_roles, kept_roles
 from .portable import PortableBackend
-from .errors import DeviceUnavailableError, NonFiniteLossError, NonFiniteStateError, NonFiniteUpdateError
+from ..interrupt import StopAtStepBoundary
+from .errors import AdaptInterrupted, DeviceUnavailableError, NonFiniteLossError, NonFiniteStateError, NonFiniteUpdateError
 from .finite import SQUARE_SAFE_LIMIT, first_out_of_range
 from .peaks import AdaptPeaks
 from .rollback import EpochValues
@@ -325,6 +326,10 @@ class Runner:
         checked bit for bit against the kept copy (on a mismatch they are restored from the copy
         and a warning says the optimizer state may differ slightly).
 
+        Ctrl-C (in the main thread) stops at the next step boundary: the runner is brought back
+        to the end of the last completed epoch as above, and :class:`AdaptInterrupted` (a
+        ``KeyboardInterrupt``) is raised; a second Ctrl-C interrupts at once.
+
         ``lr=0`` runs :meth:`update_bn_statistics` instead (no backward, no optimizer).
 
         Args:
@@ -373,7 +378,8 @@ class Runner:
         # (multiprocessing) write lock, ~220 KiB of one-time imports that are no part of a call.
         with (_progress_bar(progress, total=total, desc="adapt", unit="step") as bar,
               AdaptPeaks() as peaks,
-              tempfile.TemporaryDirectory(prefix="edgeadapt-rollback-") as scratch):
+              tempfile.TemporaryDirectory(prefix="edgeadapt-rollback-") as scratch,
+              StopAtStepBoundary() as stop):
             # With a prefix model: every window's features once per call, then the suffix trains on them.
             X = suffix_inputs(self._prefix, X, micro)
             call_start = (self.step, self.epoch)
@@ -384,6 +390,10 @@ class Runner:
                 start_step, start_epoch = self.step, self.epoch
                 epoch_loss = 0.0
                 for idx in batches(self.epoch):
+                    if stop.requested:
+                        if self.step != start_step:
+                            self._roll_back(source, call_start, e, batches, step_lr, X, y, micro, kept)
+                        raise AdaptInterrupted(self.step, self.epoch, e)
                     try:
                         with peaks.step():
                             loss = self._step(_Rows(X, idx), _Rows.of(y, idx), step_lr(done), micro)
@@ -476,6 +486,7 @@ class Runner:
         Raises:
             NonFiniteLossError: a batch gave non-finite statistics; the statistics are rolled
                 back to the start of the epoch.
+            AdaptInterrupted: Ctrl-C, as for :meth:`adapt`.
         """
         X = check_inputs(self.manifest, X)
         if y is not None or self.manifest.label is None:
@@ -488,7 +499,7 @@ class Runner:
         per_epoch = math.ceil(n / batch_size)
         losses, start = [], time.perf_counter()
         with (_progress_bar(progress, total=per_epoch * epochs, desc="bn-stats", unit="batch") as bar,
-              AdaptPeaks() as peaks):
+              AdaptPeaks() as peaks, StopAtStepBoundary() as stop):
             X = suffix_inputs(self._prefix, X, batch_size)
             for e in range(epochs):
                 stats = [n for n in self._backend.parameter_names() if n.endswith(("running_mean", "running_var"))]
@@ -497,6 +508,10 @@ class Runner:
                 order = default_rng(seed + self.epoch).permutation(n) if shuffle else np.arange(n)
                 total = 0.0
                 for b in range(per_epoch):
+                    if stop.requested:  # Ctrl-C: back to the end of the last completed epoch
+                        kept.restore(self._backend)
+                        self.step = start_step
+                        raise AdaptInterrupted(self.step, self.epoch, e)
                     idx = order[b * batch_size:(b + 1) * batch_size]
                     with peaks.step():
                         loss, applied = self._backend.update_statistics(X[idx], None if y is None else y[idx])

@@ -34,8 +34,6 @@ import base64
 import json
 import logging
 import math
-import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -45,6 +43,7 @@ import torch
 
 from ..atomic import atomic_path, atomic_write_json
 from ..datasets import few_shot_split
+from ..interrupt import INTERRUPTED, StopAtStepBoundary
 from ..models import GPT_PRESETS, build_gpt, build_model
 from ..sched.plan import format_bytes, parse_bytes
 from .data import TokenArray, TokenStream, WindowSource, load_windows
@@ -55,7 +54,6 @@ __all__ = ["cmd_train", "load_trained"]
 logger = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
-INTERRUPTED = 130  # exit status after Ctrl-C (128 + SIGINT), as shells report it
 HOLD_OUT_K_PER_CLASS = 5
 
 
@@ -271,30 +269,6 @@ def cmd_train(args: argparse.Namespace, echo=print) -> int:
         shutdown(ctx)
 
 
-class _StopAtStepBoundary:
-    """While active, Ctrl-C (SIGINT) asks the training loop to stop after the step in progress
-    (the loop reads :attr:`requested`); a second Ctrl-C interrupts at once. Only the main
-    thread can own signal handlers: elsewhere nothing is installed and Ctrl-C acts as usual."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous = None
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def __enter__(self) -> _StopAtStepBoundary:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-
-
 def _any_rank(flag: bool, ctx: DistContext) -> bool:
     """Whether ``flag`` is set on any rank (every rank must stop at the same step)."""
     if not ctx.is_distributed:
@@ -322,7 +296,7 @@ def _train_loop(trainer, source, args: argparse.Namespace, run_dir: Path, run_co
     t0 = time.perf_counter()
     items = 0
     saved_step = start
-    with _StopAtStepBoundary() as stop:
+    with StopAtStepBoundary() as stop:
         for step in bar:
             x, y = source.batch(step)
             loss_value = _mean_over_ranks(float(trainer.step(x, y)), ctx)
