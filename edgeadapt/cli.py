@@ -103,7 +103,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     policy = UpdatePolicy.parse(args.policy) if args.policy else None
     manifest = export_bundle(model, example, args.out, policy=policy, loss=args.loss, optimizer=opt,
                              batchnorm=args.batchnorm, memory_budget=args.memory_budget, n_windows=args.n_windows,
-                             batch_windows=args.batch_windows, recompute=args.recompute)
+                             batch_windows=args.batch_windows, recompute=args.recompute,
+                             progress=not args.no_progress)
     print(f"exported {args.out}: {manifest.trainable_numel:,} of {manifest.total_numel:,} parameter elements train")
     predicted = (manifest.plan or {}).get("predicted_peak_bytes")
     if predicted is not None:
@@ -191,6 +192,7 @@ def _adapt(args: argparse.Namespace) -> int:
     check_unlabeled_arguments(args)
     X, y = _load_data(args, read_manifest(args.bundle, verify=False))
     runner = Runner.load(args.bundle, device=args.device, threads=args.threads, backend=args.backend)
+    runner.check_save_target(args.out)  # refused now, not after training
     if args.unlabeled:
         return run_unlabeled(args, runner, X)
     print(f"adapting on {runner.device}: {len(X)} windows, {args.epochs} epochs, batch {args.batch_size}")
@@ -245,7 +247,7 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
 
     cfg = QuickstartConfig(dataset=args.dataset, model=args.model, policy=args.policy, out_dir=Path(args.out),
                            k_per_class=args.k_per_class, epochs=args.epochs, seed=args.seed, small=args.small,
-                           memory_budget=args.memory_budget)
+                           memory_budget=args.memory_budget, threads=args.threads, progress=not args.no_progress)
     run_quickstart(cfg, echo=print)
     return 0
 
@@ -350,6 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batchnorm", default="frozen", choices=BATCHNORM_MODES,
                    help="frozen running statistics (default) or batch statistics during adaptation")
     p.add_argument("--batch-size", type=int, default=2, help="batch size of the example input used for tracing")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar over the export's stages")
     p.set_defaults(func=cmd_export, extra="server")
 
     p = sub.add_parser("inspect", help="what trains, how many bytes, versions, checksums")
@@ -398,6 +401,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget", metavar="BYTES", default=None,
                    help="also run the planner's choice within this budget per adapt call (e.g. 256KiB)")
     p.add_argument("--small", action="store_true", help="a tiny setting for smoke tests")
+    p.add_argument("--threads", type=int, default=1,
+                   help="intra-op threads of pretraining and adaptation (default 1; the figures depend on it)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (pretraining, exports)")
     p.set_defaults(func=cmd_quickstart, extra="server")
 
     p = sub.add_parser("train", help="train every parameter on the server, streaming state from host or disk",
