@@ -21,6 +21,7 @@ from torch import nn
 from ..atomic import staged_directory
 from ..bundle import Manifest, TensorSpec, sha256_file, write_manifest
 from ..onnx_guard import stamp_contract
+from ..progress import Stages
 from ..sched import predict, verify
 from ..sched.ir import Graph
 from ..sched.plan import Action, Plan, parse_bytes
@@ -34,13 +35,15 @@ from .planning import check_entries, cut_model, manifest_plan, node_groups, plan
 from .prepare import channel_masks, prepare_from_plan, prepare_model
 from .selfcheck import SelfCheckError, choose_session
 
-__all__ = ["export_bundle", "REWRITE_TOLERANCE"]
+__all__ = ["export_bundle", "REWRITE_TOLERANCE", "EXPORT_STAGES"]
 
 log = logging.getLogger(__name__)
 
 # The prepared (rewritten) model must reproduce the original's eval output to this tolerance.
 REWRITE_TOLERANCE = 1e-4
 INPUT_NAME, OUTPUT_NAME = "input", "output"
+# What an export does, in order (each may take seconds on a large model): the progress it reports.
+EXPORT_STAGES = ("tracing", "planning", "ONNX export", "training artifacts", "self-check")
 PREFIX_FILE = "prefix_model.onnx"
 
 
@@ -216,6 +219,7 @@ def export_bundle(
     importance: dict[str, float] | None = None,
     cache_features: bool | None = None,
     recompute: bool = False,
+    progress: bool = False,
 ) -> Manifest:
     """Export ``model`` to an on-device training bundle at ``out_dir``.
 
@@ -246,6 +250,8 @@ def export_bundle(
             recomputed graph keeps fewer bytes for the backward but ONNX Runtime's buffer reuse
             often holds the freed buffers anyway, so the step's peak did not reliably fall
             (docs/scheduler.md).
+        progress: show the export's stages (:data:`EXPORT_STAGES`) as a tqdm bar on stderr; each
+            stage's time is logged at INFO either way.
 
     Returns:
         The manifest written into the bundle.
@@ -276,7 +282,19 @@ def export_bundle(
         raise ValueError("example_input must be a float32 torch.Tensor of shape (batch, ...)")
     if Path(out_dir).exists():
         raise FileExistsError(f"{out_dir} already exists; choose a new bundle directory or remove it")
+    with Stages("export", len(EXPORT_STAGES), progress=progress) as stages:
+        return _export(model, example_input, out_dir, given_policy=given_policy, loss=loss, opt=opt,
+                       batchnorm=batchnorm, budget_bytes=budget_bytes, n_windows=n_windows,
+                       batch_windows=batch_windows, importance=importance, cache_features=cache_features,
+                       recompute=recompute, stages=stages)
 
+
+def _export(model: nn.Module, example_input: torch.Tensor, out_dir: str | Path, *, given_policy: UpdatePolicy | None,
+            loss: str, opt: OptimizerConfig, batchnorm: str, budget_bytes: int | None, n_windows: int,
+            batch_windows: int, importance: dict[str, float] | None, cache_features: bool | None, recompute: bool,
+            stages: Stages) -> Manifest:
+    """:func:`export_bundle` once its arguments are checked, reporting :data:`EXPORT_STAGES` to ``stages``."""
+    stages.start(EXPORT_STAGES[0])
     with torch.no_grad():
         reference = copy.deepcopy(model).eval()(example_input)  # never flip the caller's mode
     if not isinstance(reference, torch.Tensor):
@@ -285,7 +303,7 @@ def export_bundle(
 
     planned = plan_export(model, example_input, policy=given_policy, budget_bytes=budget_bytes, batchnorm=batchnorm,
                           optimizer=opt.name, n_windows=n_windows, batch_windows=batch_windows, importance=importance,
-                          cache_features=cache_features, loss=loss, recompute=recompute)
+                          cache_features=cache_features, loss=loss, recompute=recompute, on_stage=stages.start)
     plan, graph = planned.plan, planned.graph
     policy = given_policy
     if plan is None:  # no graph IR for this model: the policy as given, no plan recorded
@@ -303,9 +321,11 @@ def export_bundle(
     if gap > REWRITE_TOLERANCE:
         raise RuntimeError(f"internal: the rewritten model differs from the original by {gap:.3g}")
 
+    stages.start(EXPORT_STAGES[2])
     model_proto, entries = to_onnx(prepared.module, example_input, prepared.entries, INPUT_NAME, OUTPUT_NAME)
     split, plan = (None, None) if plan is None else cut_model(model_proto, graph, plan, entries, batchnorm)
     onnxruntime.set_default_logger_severity(3)
+    stages.start(EXPORT_STAGES[3])
     with staged_directory(out_dir) as stage:
         if split is not None:
             onnx.save(split.prefix, stage / PREFIX_FILE)
@@ -341,6 +361,7 @@ def export_bundle(
             return draft
 
         draft = draft_for(plan, bool(recomputed))
+        stages.start(EXPORT_STAGES[4])
         try:
             session = choose_session(stage, draft, prepared.module, prepared.entries, example_input.numpy())
         except SelfCheckError as e:

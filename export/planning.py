@@ -12,6 +12,7 @@ at the plan's cut when the plan caches the prefix's features.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -87,7 +88,8 @@ def _choose_cache(graph: Graph, plan: Plan, cache_features: bool | None) -> Plan
 def plan_export(model: nn.Module, example_input: torch.Tensor, *, policy: UpdatePolicy | None,
                 budget_bytes: int | None, batchnorm: str, optimizer: str, n_windows: int, batch_windows: int,
                 importance: dict[str, float] | None = None, cache_features: bool | None = None,
-                loss: str = "cross_entropy", recompute: bool = False) -> PlannedExport:
+                loss: str = "cross_entropy", recompute: bool = False,
+                on_stage: Callable[[str], None] = lambda name: None) -> PlannedExport:
     """Build the graph IR and make the plan (see the module docstring).
 
     * no budget: the policy (default: the model's last layer) resolved; the prefix's features are cached when
@@ -95,6 +97,9 @@ def plan_export(model: nn.Module, example_input: torch.Tensor, *, policy: Update
     * a budget and a policy: the best plan for that policy under the budget (micro-batch, cut,
       and recompute when ``recompute``), refused when none fits;
     * a budget and no policy: the planner picks what trains.
+
+    ``on_stage("planning")`` is called once the model is traced, before the importance
+    measurement and the planner.
 
     Raises:
         edgeadapt.sched.NoFeasiblePlan: nothing fits the budget (names the smallest that would).
@@ -107,6 +112,7 @@ def plan_export(model: nn.Module, example_input: torch.Tensor, *, policy: Update
             raise ValueError(f"cannot plan for a memory budget: the model's graph IR cannot be built ({e})") from None
         log.warning("exporting without a memory plan: the model's graph IR cannot be built (%s)", e)
         return PlannedExport(None, None)
+    on_stage("planning")
     if budget_bytes is None:
         plan = plan_from_policy(graph, policy or UpdatePolicy.last_layer(), weights=weights,
                                       batch_windows=batch_windows, n_windows=n_windows, optimizer=optimizer)

@@ -18,6 +18,7 @@ and the library versions, on which the figures also depend.
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import time
 from collections.abc import Callable
@@ -25,17 +26,20 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..atomic import atomic_write_json
+from ..sched.errors import NoFeasiblePlan
+from ..sched.plan import format_bytes, parse_bytes
 from ..datasets import SyntheticConfig, WindowDataset, load_dataset, make_synthetic
 from ..versions import host_info
 from .study import FIXED_LR, METHODS, budget_method, make_split, per_subject_accuracy, pretrain_source, run_method, save_target_data
 
-__all__ = ["QuickstartConfig", "run_quickstart"]
+__all__ = ["QuickstartConfig", "run_quickstart", "quickstart_command", "readme_table"]
 
 log = logging.getLogger(__name__)
 
 COMPARED = ("last-layer", "bias-norm", "full")
 MAIN = "sparse"
 MB = 2**20
+BATCH_SIZE = 16  # windows per adaptation step (run_method's default)
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,7 @@ class QuickstartConfig:
             (e.g. ``"256KiB"``) next to the compared methods.
         threads: intra-op threads of pretraining (torch) and adaptation (ONNX Runtime), pinned
             so that the figures do not depend on the machine's core count.
+        progress: progress bars (stderr) over pretraining epochs and each export's stages.
     """
 
     dataset: str = "synthetic"
@@ -70,6 +75,7 @@ class QuickstartConfig:
     target_subject: int | None = None
     threads: int = 1
     memory_budget: str | None = None
+    progress: bool = False
 
 
 def _mb(n: int | None) -> str:
@@ -106,7 +112,7 @@ def _plots(report: dict, out_dir: Path) -> None:
     fig.savefig(out_dir / "accuracy.png", dpi=120)
     plt.close(fig)
 
-    rows = [report["main"], *report["compared"]]
+    rows = [r for r in (report["main"], *report["compared"]) if r["feasible"]]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     x = list(range(len(rows)))
     step = [(r["step_peak_bytes"] or 0) / MB for r in rows]
@@ -144,9 +150,17 @@ def run_quickstart(cfg: QuickstartConfig, echo: Callable[[str], None] = log.info
          f"{ds.X.shape[1]} ch x {ds.X.shape[2]} steps; new subject {target}: "
          f"{len(split.target_adapt.y)} labelled windows to adapt on, {len(split.target_eval.y)} to evaluate")
 
+    budget_name = None if cfg.memory_budget is None else budget_method(cfg.memory_budget)
+    smallest = None if cfg.memory_budget is None else _smallest_budget_bytes(cfg.model, split)
+    if smallest is not None and smallest > parse_bytes(cfg.memory_budget):
+        echo(f"--memory-budget {cfg.memory_budget} is below the smallest plan for this model and data "
+             f"({format_bytes(smallest)}): its row is reported as infeasible; --memory-budget "
+             f"{math.ceil(smallest / 1024)}KiB or more runs it")
+
     pre_epochs = 2 if cfg.small else 15
     t0 = time.perf_counter()
-    model = pretrain_source(cfg.model, split, epochs=pre_epochs, seed=cfg.seed, threads=cfg.threads)
+    model = pretrain_source(cfg.model, split, epochs=pre_epochs, seed=cfg.seed, threads=cfg.threads,
+                            progress=cfg.progress)
     pretrain_s = time.perf_counter() - t0
     source_acc = per_subject_accuracy(model, split.source_val)
     from ..export.pretrain import accuracy
@@ -164,15 +178,26 @@ def run_quickstart(cfg: QuickstartConfig, echo: Callable[[str], None] = log.info
     else:
         runs = [(MAIN, cfg.policy, cfg.policy, "main")]
     runs += [(m, None, m, m) for m in COMPARED if m != cfg.policy]
-    if cfg.memory_budget:
-        name = budget_method(cfg.memory_budget)
-        runs.append((name, None, name, "budget"))
+    if budget_name is not None:
+        runs.append((budget_name, None, budget_name, "budget"))
     reports = []
     target_data = save_target_data(split, work)
     for method, policy, label, folder in runs:
-        r = run_method(method, model, cfg.model, split, target_data, work / folder, epochs=epochs, lr=FIXED_LR,
-                       seed=cfg.seed, threads=cfg.threads, policy=policy)
+        if folder == "budget" and smallest is not None and smallest > parse_bytes(cfg.memory_budget):
+            reports.append(_infeasible(label, cfg.memory_budget, smallest))
+            continue
+        try:
+            r = run_method(method, model, cfg.model, split, target_data, work / folder, epochs=epochs, lr=FIXED_LR,
+                           seed=cfg.seed, threads=cfg.threads, policy=policy, progress=cfg.progress)
+        except NoFeasiblePlan as e:  # the planner's own check, with the measured importance
+            if folder != "budget":
+                raise
+            echo(f"  {label:<11} infeasible: {e}")
+            reports.append(_infeasible(label, cfg.memory_budget, e.need_bytes))
+            continue
         r["method"] = label
+        r["feasible"] = True
+        r["trained_modules"] = _trained_modules(work / folder / "bundle")
         if r["torch_imported"]:
             raise RuntimeError("internal: the adaptation process imported torch")
         reports.append(r)
@@ -190,7 +215,7 @@ def run_quickstart(cfg: QuickstartConfig, echo: Callable[[str], None] = log.info
         "per_subject_source_only": {str(k): v for k, v in sorted(source_acc.items())},
         "pretrain_time_s": pretrain_s,
         "settings": {"fixed_in_advance": True, "lr": FIXED_LR, "optimizer": "adamw", "weight_decay": 0.01,
-                     "epochs": epochs, "batch_size": 16, "pretrain_epochs": pre_epochs, "seed": cfg.seed,
+                     "epochs": epochs, "batch_size": BATCH_SIZE, "pretrain_epochs": pre_epochs, "seed": cfg.seed,
                      "pretrain_threads": cfg.threads, "adapt_threads": cfg.threads,
                      "deterministic_algorithms": True},
         "host": host_info(),
@@ -210,6 +235,85 @@ def run_quickstart(cfg: QuickstartConfig, echo: Callable[[str], None] = log.info
          f"({host.get('torch_cpu_capability', '?')} torch kernels), torch {host['versions'].get('torch', '-')}, "
          f"onnxruntime {host['versions'].get('onnxruntime', '-')}")
     echo(f"report: {out_dir / 'report.json'}, plots: {out_dir / 'accuracy.png'}, {out_dir / 'memory.png'} "
-         f"({report['total_time_s']:.0f} s in all)")
+         f"({report['total_time_s']:.0f} s in all); the table as README.md shows it:\n\n{readme_table(report)}")
     return report
+
+
+def _smallest_budget_bytes(model_name: str, split) -> int:
+    """The least budget any plan of the budget method fits (the model's architecture, the adapt
+    call's window count and step size), known before pretraining: ``minimum_budget`` without the
+    importance measured on the trained model, so never above the budget the export needs."""
+    import torch
+
+    from ..export.planning import model_graph
+    from ..models import build_model
+    from ..sched import minimum_budget
+
+    X = split.target_adapt.X
+    model = build_model(model_name, X.shape[1], split.source_train.n_classes, X.shape[2])
+    graph, _ = model_graph(model, torch.from_numpy(X[:2]), "frozen")
+    return minimum_budget(graph, n_windows=len(X), batch_windows=BATCH_SIZE, optimizer="adamw", allow_remat=False)
+
+
+def _infeasible(method: str, memory_budget: str, smallest_bytes: int) -> dict:
+    """The report row of a budget no plan fits: nothing ran; the smallest budget that would."""
+    return {"method": method, "feasible": False, "policy": f"planned within {memory_budget}",
+            "memory_budget_bytes": parse_bytes(memory_budget), "minimum_budget_bytes": int(smallest_bytes)}
+
+
+def _trained_modules(bundle: Path) -> list[str]:
+    """The modules whose parameters the bundle trains (in the model's order)."""
+    from ..bundle import read_manifest
+
+    names = [p.name.rsplit(".", 1)[0] for p in read_manifest(bundle, verify=False).parameters if p.trainable_numel]
+    return list(dict.fromkeys(names))
+
+
+def quickstart_command(config: dict) -> str:
+    """The ``edgeadapt quickstart`` command line that reproduces a report's ``config`` (options
+    left at their defaults, the report folder and progress bars omitted)."""
+    args = []
+    for key, default in asdict(QuickstartConfig()).items():  # in the options' order
+        value = config.get(key, default)
+        if key in ("out_dir", "progress") or value == default:
+            continue
+        flag = "--" + key.replace("_", "-")
+        args += [flag] if value is True else [f"{flag} {value}"]
+    return " ".join(["edgeadapt quickstart", *args])
+
+
+def _label(row: dict) -> str:
+    method = row["method"]
+    if method.startswith("budget-"):
+        what = ", ".join(row["trained_modules"]) if row["feasible"] else "no plan fits"
+        return f"`--memory-budget {method.removeprefix('budget-')}` (the planner's choice: {what})"
+    return f"{method} ({METHODS[method].description})" if method in METHODS else f"`--policy {row['policy']}`"
+
+
+def readme_table(report: dict) -> str:
+    """The quickstart's results as README.md shows them (markdown): the command and setting, a
+    table of accuracy before → after, trained elements and memory per method, and the source
+    model's accuracy. Every figure comes from ``report``; ``benchmarks/quickstart_readme.py``
+    writes it into README.md and checks it against a fresh run."""
+    host = report["host"]
+    source = {int(k): v for k, v in report["per_subject_source_only"].items() if int(k) != report["target_subject"]}
+    lines = [f"Measured with `{quickstart_command(report['config'])}` ({report['total_time_s']:.0f} s; "
+             f"{host['cpu']['model']}, {report['settings']['adapt_threads']} thread(s); subject "
+             f"{report['target_subject']} held out; memory is over the loaded runner, total VmHWM delta with "
+             f"anonymous-only in brackets):", "",
+             "| method | accuracy on the new subject (before → after) | trained elements | one step MB "
+             "| whole adapt call MB |",
+             "|---|---|---:|---:|---:|"]
+    for i, r in enumerate([report["main"], *report["compared"]]):
+        if not r["feasible"]:
+            lines.append(f"| {_label(r)} | infeasible: the smallest plan needs "
+                         f"{format_bytes(r['minimum_budget_bytes'])} | - | - | - |")
+            continue
+        after = f"{r['accuracy_after']:.3f}"
+        lines.append(f"| {_label(r)} | {r['accuracy_before']:.3f} → {f'**{after}**' if i == 0 else after} "
+                     f"| {r['trainable_numel']:,} | {_mb(r['step_peak_bytes'])} ({_mb(r['step_peak_anon_bytes'])}) "
+                     f"| {_mb(r['call_peak_bytes'])} ({_mb(r['call_peak_anon_bytes'])}) |")
+    lines += ["", f"(The source model scores {sum(source.values()) / len(source):.3f} on held-out windows of the "
+                  f"{len(source)} training subjects.)"]
+    return "\n".join(lines)
 

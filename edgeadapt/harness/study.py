@@ -243,12 +243,14 @@ def save_target_data(split: SplitData, directory: Path) -> tuple[Path, Path]:
 
 
 def export_method(method: str, model, model_name: str, example_X: np.ndarray, bundle: Path, *,
-                  lr: float = FIXED_LR, policy: str | None = None, batch_windows: int = 16) -> dict[str, Any]:
+                  lr: float = FIXED_LR, policy: str | None = None, batch_windows: int = 16,
+                  progress: bool = False) -> dict[str, Any]:
     """Export ``model`` as ``method``'s bundle at ``bundle``; returns the recipe used.
 
     ``policy`` (an ``UpdatePolicy.parse`` spec) replaces the method's own policy; ``lr`` is the
     bundle's default learning rate (the jobs pass their own). A method with a memory budget is
-    planned for ``len(example_X)`` adaptation windows in steps of ``batch_windows``.
+    planned for ``len(example_X)`` adaptation windows in steps of ``batch_windows``. ``progress``:
+    the export's stages as a progress bar.
     """
     import torch
 
@@ -259,33 +261,35 @@ def export_method(method: str, model, model_name: str, example_X: np.ndarray, bu
     if policy is None and budget is not None:
         export_bundle(model, torch.from_numpy(example_X[:2]), bundle, memory_budget=budget,
                       n_windows=len(example_X), batch_windows=batch_windows, loss=recipe["loss"],
-                      optimizer=OptimizerConfig("adamw", lr=lr, weight_decay=0.01), batchnorm=recipe["batchnorm"])
+                      optimizer=OptimizerConfig("adamw", lr=lr, weight_decay=0.01), batchnorm=recipe["batchnorm"],
+                      progress=progress)
         recipe["policy"] = f"planned within {budget}"
         return recipe
     if policy is not None:
         recipe["policy"] = policy
     export_bundle(model, torch.from_numpy(example_X[:2]), bundle, policy=UpdatePolicy.parse(recipe["policy"]),
                   loss=recipe["loss"], optimizer=OptimizerConfig("adamw", lr=lr, weight_decay=0.01),
-                  batchnorm=recipe["batchnorm"])
+                  batchnorm=recipe["batchnorm"], progress=progress)
     return recipe
 
 
 def run_method(method: str, model, model_name: str, split: SplitData, target_data: tuple[Path, Path],
                workdir: Path, *, epochs: int, lr: float, batch_size: int = 16, seed: int = 0,
-               threads: int | None = None, policy: str | None = None) -> dict:
+               threads: int | None = None, policy: str | None = None, progress: bool = False) -> dict:
     """Export ``model`` for ``method`` and adapt it to the target in a torch-free process.
 
     ``target_data`` are the files :func:`save_target_data` wrote for ``split``. ``lr`` is the
     adaptation learning rate (a method that does not train runs at 0). ``policy`` (an
     ``UpdatePolicy.parse`` spec) replaces the method's own policy. ``threads``: the runner's
-    intra-op threads. Returns the job report (accuracy before/after, step and call peaks,
-    trainable elements, times) with the method, policy, loss, batchnorm and lr added.
+    intra-op threads. ``progress``: the export's stages as a progress bar. Returns the job
+    report (accuracy before/after, step and call peaks, trainable elements, times) with the
+    method, policy, loss, batchnorm and lr added.
     """
     workdir.mkdir(parents=True, exist_ok=True)
     bundle = workdir / "bundle"
     # The bundle's default rate must be > 0; a method at rate 0 gets it from the job spec.
     recipe = export_method(method, model, model_name, split.target_adapt.X, bundle, lr=lr if lr > 0 else FIXED_LR,
-                           policy=policy, batch_windows=batch_size)
+                           policy=policy, batch_windows=batch_size, progress=progress)
     job_lr = lr if recipe["trains"] else 0.0
     spec = AdaptJobSpec(bundle=str(bundle), adapt_data=str(target_data[0]),
                         eval_data=str(target_data[1]), out_dir=str(workdir / "adapted"),

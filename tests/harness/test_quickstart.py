@@ -8,20 +8,26 @@ import sys
 
 import pytest
 
-from edgeadapt.harness.quickstart import COMPARED, MAIN
+from edgeadapt.harness.quickstart import COMPARED, MAIN, quickstart_command, readme_table
+
+
+def _run(out, *args: str) -> subprocess.CompletedProcess:
+    """Run the CLI in a fresh interpreter."""
+    proc = subprocess.run([sys.executable, "-m", "edgeadapt", "quickstart", "--out", str(out), *args],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
 
 
 def _quickstart(out, *args: str) -> dict:
     """Run the CLI in a fresh interpreter; returns its report."""
-    proc = subprocess.run([sys.executable, "-m", "edgeadapt", "quickstart", "--out", str(out), *args],
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _run(out, *args)
     return json.loads((out / "report.json").read_text())
 
 
 def _figures(report: dict) -> dict:
     """Everything a rerun must reproduce exactly: accuracies, losses, what was trained (not memory or time)."""
-    rows = [report["main"], *report["compared"]]
+    rows = [r for r in (report["main"], *report["compared"]) if r["feasible"]]
     keys = ("method", "policy", "lr", "accuracy_before", "accuracy_after", "loss_after", "epoch_losses",
             "steps", "trainable_numel")
     return {"per_subject_source_only": report["per_subject_source_only"],
@@ -29,13 +35,29 @@ def _figures(report: dict) -> dict:
 
 
 def test_small_quickstart_end_to_end_and_reproducible_in_fresh_processes(tmp_path):
-    first = _quickstart(tmp_path / "a", "--small")
+    # a budget below the smallest plan: known before pretraining, reported as an infeasible row
+    proc = _run(tmp_path / "a", "--small", "--memory-budget", "1KiB")
+    first = json.loads((tmp_path / "a" / "report.json").read_text())
+    out = proc.stdout
+    assert out.index("--memory-budget 1KiB is below the smallest plan") < out.index("pretrained cnn")
+    budget_row = first["compared"][-1]
+    assert budget_row["method"] == "budget-1KiB" and budget_row["feasible"] is False
+    assert budget_row["minimum_budget_bytes"] > 1024
+    assert f"{-(-budget_row['minimum_budget_bytes'] // 1024)}KiB or more runs it" in out
+    # progress on stderr: pretraining epochs and every export's stages
+    assert "pretrain" in proc.stderr and "export: self-check" in proc.stderr
+    # the README's table is printed, from the report
+    table = readme_table(first)
+    assert table in out
+    assert quickstart_command(first["config"]) == "edgeadapt quickstart --small --memory-budget 1KiB"
+    assert "| `--memory-budget 1KiB` (the planner's choice: no plan fits) | infeasible: the smallest plan needs" in table
     assert first["target_subject"] == 3
     assert (tmp_path / "a" / "accuracy.png").stat().st_size > 1000
     assert (tmp_path / "a" / "memory.png").stat().st_size > 1000
-    rows = [first["main"], *first["compared"]]
+    rows = [first["main"], *first["compared"][:-1]]
     assert [r["method"] for r in rows] == [MAIN, *COMPARED]
     for r in rows:
+        assert f"| {r['accuracy_before']:.3f} → " in table and f"| {r['trainable_numel']:,} |" in table
         assert r["torch_imported"] is False and r["device"] == "cpu" and r["threads"] == 1
         assert 0.0 <= r["accuracy_after"] <= 1.0
         # one step's peak lies inside the whole adapt call's, for total and anonymous memory
@@ -48,8 +70,9 @@ def test_small_quickstart_end_to_end_and_reproducible_in_fresh_processes(tmp_pat
     assert first["host"]["versions"]["onnxruntime"] and first["host"]["torch_cpu_capability"]
     # a second run, in another fresh process, into the same report folder (it replaces its own
     # work directory) gives the same figures to the last bit
-    second = _quickstart(tmp_path / "a", "--small")
+    second = _quickstart(tmp_path / "a", "--small", "--memory-budget", "1KiB", "--no-progress")
     assert _figures(second) == _figures(first)
+    assert second["compared"][-1] == budget_row
 
 
 @pytest.mark.slow
