@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print("README.md's quickstart table matches a fresh run (memory and time not compared)")
         return 0
-    README.write_text(replace_block(text, fresh))
+    README.write_text(replace_block(README.read_text(), fresh))  # read again: the run takes minutes
     print(f"README.md's quickstart table rewritten from the run:\n\n{fresh}")
     return 0
 
