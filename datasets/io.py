@@ -3,13 +3,17 @@
 Accepted ``.npz`` layouts (read with ``allow_pickle=False``), told apart by their keys:
 
 * **saved dataset** — written by :meth:`WindowDataset.save_npz` (has the ``edgeadapt_format`` key).
-* **windows** — ``X``: ``(windows, time, channels)`` numbers, **time before channels** (the layout
+* **windows** — ``X``: ``(windows, time, channels)`` real numbers, **time before channels** (the layout
   most recording tools and Keras use; it is transposed to channels-first on loading),
   ``y``: ``(windows,)`` integer class ids >= 0, ``subject``: ``(windows,)`` integers, optional
   ``session``: ``(windows,)`` integers.
 * **continuous** — ``signal``: ``(time, channels)`` numbers, ``y``, ``subject`` and optional
   ``session``: one integer per sample; windowed with ``window_length_samples`` and
   ``overlap_fraction`` (see :func:`~edgeadapt.datasets.windows_from_continuous`).
+
+Sample values (``X``, ``signal``) follow :mod:`~edgeadapt.datasets.samples`: float32 is kept,
+other real floats and integers are converted to float32 (noted once in the log), complex,
+boolean and non-numeric arrays are refused.
 
 Either of the last two may also hold ``class_names`` and ``channel_names`` (string arrays) and
 ``sample_rate_hz`` (a number); keyword arguments given to the loader take precedence. No layout
@@ -27,14 +31,16 @@ Every problem with a file is a ``ValueError`` that starts with the file's path.
 from __future__ import annotations
 
 import csv
+import itertools
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from .samples import float32_samples
 from .synthetic import SyntheticConfig, make_synthetic
 from .watch import load_watch
 from .window_dataset import FORMAT_KEY, WindowDataset, read_npz
@@ -45,6 +51,11 @@ __all__ = ["load_npz_file", "load_csv", "load_dataset"]
 logger = logging.getLogger(__name__)
 
 _USER_KEYS = ("y", "subject", "session", "sample_rate_hz", "class_names", "channel_names")
+#: Most classes a file's integer labels may imply (labels are ids 0..n_classes-1, one name each).
+MAX_CLASSES = 1 << 16
+#: Longest CSV line read, in characters (a row of 10^5 channels of 20-digit numbers fits); longer
+#: lines are refused before they are held in memory.
+MAX_CSV_LINE_CHARS = 1 << 24
 
 
 def _integers(path: Path, name: str, values: np.ndarray, length: int, what: str) -> np.ndarray:
@@ -56,9 +67,12 @@ def _integers(path: Path, name: str, values: np.ndarray, length: int, what: str)
 
 
 def _class_names(path: Path, given: Sequence[str] | None, y: np.ndarray) -> tuple[str, ...]:
-    """Names for the (non-empty) labels ``y``."""
+    """Names for the (non-empty) labels ``y``; ids are range-checked before any name is made."""
     if y.min() < 0:
         raise ValueError(f"{path}: labels must be class ids >= 0, found {y.min()}")
+    if given is None and y.max() >= MAX_CLASSES:
+        raise ValueError(f"{path}: label {y.max()} is not a class id of a biosignal dataset (at most {MAX_CLASSES} "
+                         "classes, ids 0..n_classes-1); renumber the labels, or pass class_names")
     if given is None:
         return tuple(str(i) for i in range(int(y.max()) + 1))
     names = tuple(given)
@@ -142,9 +156,10 @@ def load_npz_file(
     sample_rate_hz = _metadata(stored, "sample_rate_hz", sample_rate_hz)
     class_names = _metadata(stored, "class_names", class_names)
     channel_names = _metadata(stored, "channel_names", channel_names)
-    data = arrays[data_key]
-    if not np.issubdtype(data.dtype, np.number):
-        raise ValueError(f"{path}: {data_key!r} must hold numbers, got dtype {data.dtype}")
+    try:  # the rule for sample values (float32; other reals and integers converted, noted once)
+        data = arrays[data_key] = float32_samples(arrays[data_key], f"{path}: {data_key!r}")
+    except TypeError as e:
+        raise ValueError(str(e)) from None
     if data_key == "signal":
         if window_length_samples is None:
             raise ValueError(f"{path}: continuous 'signal' needs window_length_samples= (and overlap_fraction=)")
@@ -233,29 +248,49 @@ def _parse_column(path: Path, cells: list[str], lines: list[int], name: str, dty
         raise ValueError(f"{path}, column {name!r}: {e}") from e
 
 
+def _bounded_lines(path: Path, f) -> Iterator[str]:
+    """The lines of ``f``, each refused past :data:`MAX_CSV_LINE_CHARS` before it is read whole."""
+    for number in itertools.count(1):
+        line = f.readline(MAX_CSV_LINE_CHARS + 1)
+        if not line:
+            return
+        if len(line) > MAX_CSV_LINE_CHARS:
+            raise ValueError(f"{path}, line {number}: longer than {MAX_CSV_LINE_CHARS} characters; a CSV row holds "
+                             "one sample (subject, label and one number per channel)")
+        yield line
+
+
 def _read_csv(path: Path) -> tuple[list[str], list[list[str]], list[int]]:
     """Header, columns of stripped cells, and the file line of each data row; blank lines skipped."""
     # utf-8-sig: spreadsheet exports often start with a byte-order mark.
     with open(path, newline="", encoding="utf-8-sig") as f:
-        reader = csv.reader(f)
-        header = [h.strip() for h in next(reader, [])]
-        n_meta = 3 if header[1:2] == ["session"] else 2
-        expected = ["subject", "session", "label"] if n_meta == 3 else ["subject", "label"]
-        if header[:n_meta] != expected or len(header) <= n_meta:
-            raise ValueError(
-                f"{path}: the header must be 'subject,[session,]label,<channel>,...' with at least one "
-                f"channel, got {header}"
-            )
-        columns: list[list[str]] = [[] for _ in header]
-        lines: list[int] = []
-        for row in reader:
-            if not row:
-                continue
-            if len(row) != len(header):
-                raise ValueError(f"{path}, line {reader.line_num}: {len(row)} fields, the header has {len(header)}")
-            lines.append(reader.line_num)
-            for column, cell in zip(columns, row):
-                column.append(cell.strip())
+        reader = csv.reader(_bounded_lines(path, f))
+        try:
+            return _read_rows(path, reader)
+        except csv.Error as e:  # e.g. a field over the csv module's limit (131072 characters)
+            raise ValueError(f"{path}, line {reader.line_num}: not a CSV row of numbers ({e})") from None
+
+
+def _read_rows(path: Path, reader) -> tuple[list[str], list[list[str]], list[int]]:
+    """:func:`_read_csv` on a csv reader."""
+    header = [h.strip() for h in next(reader, [])]
+    n_meta = 3 if header[1:2] == ["session"] else 2
+    expected = ["subject", "session", "label"] if n_meta == 3 else ["subject", "label"]
+    if header[:n_meta] != expected or len(header) <= n_meta:
+        raise ValueError(
+            f"{path}: the header must be 'subject,[session,]label,<channel>,...' with at least one "
+            f"channel, got {header[:8]}{'...' if len(header) > 8 else ''}"
+        )
+    columns: list[list[str]] = [[] for _ in header]
+    lines: list[int] = []
+    for row in reader:
+        if not row:
+            continue
+        if len(row) != len(header):
+            raise ValueError(f"{path}, line {reader.line_num}: {len(row)} fields, the header has {len(header)}")
+        lines.append(reader.line_num)
+        for column, cell in zip(columns, row):
+            column.append(cell.strip())
     if not lines:
         raise ValueError(f"{path}: no data rows below the header")
     return header, columns, lines

@@ -16,6 +16,7 @@ strings are stored as fixed-width unicode arrays and the file carries a format m
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import zipfile
@@ -26,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from ..atomic import atomic_path
+from ..npz import read_arrays
 
 __all__ = ["WindowDataset", "read_npz", "FORMAT_KEY", "FORMAT_VALUE"]
 
@@ -50,7 +52,7 @@ def _names(kind: str, names: Sequence[str]) -> tuple[str, ...]:
     if isinstance(names, str):
         raise TypeError(f"{kind} must be a sequence of strings, not one string {names!r}")
     out = tuple(str(n) for n in names)
-    duplicates = sorted({n for n in out if out.count(n) > 1})
+    duplicates = sorted(n for n, count in collections.Counter(out).items() if count > 1)
     if duplicates:
         raise ValueError(f"{kind} must be unique, {duplicates} appear more than once")
     return out
@@ -260,9 +262,12 @@ class WindowDataset:
 def read_npz(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     """All named arrays of an ``.npz`` file, read with ``allow_pickle=False``.
 
+    Every member's header is checked before it is read (:func:`edgeadapt.npz.read_arrays`).
+
     Raises:
         FileNotFoundError: there is no such file.
-        ValueError: naming the file, when it is not a readable ``.npz`` or holds pickled objects.
+        ValueError: naming the file, when it is not a readable ``.npz``, holds a member that is not
+            a ``.npy`` array, pickled objects, or a header claiming more data than the member holds.
     """
     if Path(path).is_dir():
         raise ValueError(f"{path}: is a directory, not a .npz file")
@@ -274,16 +279,6 @@ def read_npz(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
             f"{path}: not a readable .npz file (not a zip of .npy arrays, as np.savez writes); "
             "save the arrays with np.savez(path, X=..., y=..., subject=...)"
         )
-    try:
-        loaded = np.load(path, allow_pickle=False)
-    except FileNotFoundError:
-        raise
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
-        raise ValueError(f"{path}: not a readable .npz file ({e})") from e
-    if not isinstance(loaded, np.lib.npyio.NpzFile):
-        raise ValueError(f"{path}: holds one array, not named arrays; save with np.savez(path, X=..., y=..., ...)")
-    with loaded:
-        try:
-            return {key: loaded[key] for key in loaded.files}
-        except ValueError as e:
-            raise ValueError(f"{path}: {e} (store strings as str arrays, never as objects)") from e
+    if not Path(path).exists():
+        raise FileNotFoundError(f"{path}: no such file")
+    return read_arrays(path)

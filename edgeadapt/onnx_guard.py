@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import logging
 import math
-import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 from .bundle import CONTRACT_KEY, PORTABLE_GRAPH_ROLES, BundleError, Manifest, check_member_name, contract_digest, file_size_limits, member_path
+from .npz import read_arrays
 
 __all__ = [
     "ALLOWED_DOMAINS",
@@ -323,19 +323,10 @@ def check_masks(bundle_dir: str | Path, manifest: Manifest, training_model=None)
     """
     name = manifest.files["masks"]
     path = member_path(bundle_dir, name, "files.masks")
-    limit = file_size_limits(manifest)[name]
     try:
-        with zipfile.ZipFile(path) as z:
-            unpacked = sum(i.file_size for i in z.infolist())
-    except Exception as e:  # zipfile raises BadZipFile, OSError, ValueError, NotImplementedError, ...
-        raise BundleError(f"{path}: not a readable .npz archive ({type(e).__name__}: {str(e)[:200]})") from None
-    if unpacked > limit:
-        raise BundleError(f"{path}: unpacks to {unpacked} bytes, far more than this model's masks need ({limit}); not read")
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            masks = {k: z[k] for k in z.files}
-    except Exception as e:  # numpy raises ValueError/OSError/zipfile errors/EOFError for damaged members
-        raise BundleError(f"{path}: not a readable .npz archive ({type(e).__name__}: {str(e)[:200]})") from None
+        masks = read_arrays(path, max_unpacked_bytes=file_size_limits(manifest)[name])
+    except ValueError as e:
+        raise BundleError(f"{e}; the masks of this model are damaged - re-export the bundle") from None
     entries = {p.name: p for p in manifest.parameters}
     if set(masks) != set(entries):
         missing, extra = sorted(set(entries) - set(masks)), sorted(set(masks) - set(entries))
@@ -480,7 +471,7 @@ def stamp_contract(bundle_dir: str | Path, manifest: Manifest) -> Manifest:
     bundle_dir = Path(bundle_dir)
     digest = contract_digest(manifest)
     sha = dict(manifest.sha256)
-    for role in _MODEL_ROLES:
+    for role in (*_MODEL_ROLES, *PORTABLE_GRAPH_ROLES):
         if role not in manifest.files:
             continue
         path = member_path(bundle_dir, manifest.files[role])

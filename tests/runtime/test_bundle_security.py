@@ -332,3 +332,22 @@ def test_bad_micro_batch_in_the_plan_is_refused_at_load(bundle, value):
         _edit_manifest(bundle, lambda m: m["plan"].__setitem__("micro_batch_windows", json.loads(value)))
     with pytest.raises(BundleError, match=r"manifest\.json (is invalid at plan/micro_batch_windows|is not valid JSON)"):
         Runner.load(bundle)
+
+
+@pytest.mark.parametrize("member, data, match", [
+    ("readme.txt", b"hello", r"member 'readme\.txt' is not a \.npy array"),
+    ("extra.npy", None, r"member 'extra\.npy' claims shape \[1099511627776\]"),  # a header of 4 TiB
+])
+def test_masks_members_are_checked_before_reading(bundle, member, data, match):
+    import io
+    import zipfile
+
+    if data is None:
+        header = io.BytesIO()
+        np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": (1 << 40,)})
+        data = header.getvalue()
+    with zipfile.ZipFile(bundle / "masks.npz", "a") as z:
+        z.writestr(member, data)
+    _rehash(bundle, "masks.npz")
+    with pytest.raises(BundleError, match=rf"masks\.npz: {match}"):
+        Runner.load(bundle)
