@@ -18,6 +18,7 @@ from enum import Enum
 
 import numpy as np
 
+from .samples import float32_samples
 from .window_dataset import WindowDataset
 
 __all__ = [
@@ -159,8 +160,7 @@ def windows_from_continuous(
     signal = np.asarray(signal)
     if signal.ndim != 2 or signal.shape[0] == 0:
         raise ValueError(f"signal must be 2-D (time, channels) with samples, got shape {signal.shape}")
-    if not np.issubdtype(signal.dtype, np.number):
-        raise TypeError(f"signal must be numeric, got dtype {signal.dtype}")
+    signal = float32_samples(signal, "signal")
     n = signal.shape[0]
     per_sample = {"labels": labels, "subject": subject} | ({} if session is None else {"session": session})
     arrays = {}

@@ -130,7 +130,7 @@ _NPZ_ERRORS = [
     ("unnamed class", lambda a: a.update(class_names=np.array(["a", "b"])), {}, "label 2 has no name"),
     ("NaN", lambda a: a["X"].__setitem__((2, 1, 0), np.nan), {},
      r"NaN/inf values \(first at window 2, channel 0, step 1\)"),
-    ("text X", lambda a: a.update(X=np.full((6, 5, 3), "x")), {}, "'X' must hold numbers"),
+    ("text X", lambda a: a.update(X=np.full((6, 5, 3), "x")), {}, "'X' must hold real numbers"),
     ("no windows", lambda a: a.update(X=np.zeros((0, 5, 3)), y=np.zeros(0, np.int64), subject=np.zeros(0, np.int64)),
      {}, "'X' holds no windows"),
     ("window length", lambda a: None, {"window_length_samples": 4}, "windowed already"),

@@ -103,7 +103,7 @@ def test_short_runs_give_no_windows():
     [
         ({"signal": np.zeros(10)}, ValueError, r"2-D \(time, channels\)"),
         ({"signal": np.zeros((0, 2))}, ValueError, r"with samples"),
-        ({"signal": np.full((10, 2), "a")}, TypeError, "must be numeric"),
+        ({"signal": np.full((10, 2), "a")}, TypeError, "must hold real numbers"),
         ({"labels": np.zeros(9, np.int64)}, ValueError, r"labels must have one entry per sample, shape \(10,\)"),
         ({"subject": np.zeros(10)}, TypeError, "subject must be integers, got dtype float64"),
         ({"labels": np.full(10, -1)}, ValueError, "class ids >= 0"),
