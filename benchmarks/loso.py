@@ -67,11 +67,15 @@ from edgeadapt.harness.study import (  # noqa: E402
     ALL_METHODS, FIXED_LR, LABEL_FREE, LR_GRID, METHODS, budget_method, make_split, per_subject_accuracy, pretrain_source,
     run_method, save_target_data, select_learning_rates,
 )
+from edgeadapt.datasets.shifts import SHIFTS, shift_subject  # noqa: E402
+from edgeadapt.harness.label_free import select_label_free_settings  # noqa: E402
 from edgeadapt.versions import host_info  # noqa: E402
 
 log = logging.getLogger("loso")
 
 MB = 2**20
+# A subject counts as improved / hurt when its accuracy moves by more than this (1 point).
+HURT_POINT = 0.01
 FLOAT32_BYTES = 4
 # Memory figures of each adapted row (bytes over the loaded runner; see edgeadapt.harness.adapt_job).
 PEAKS = ("step_peak_bytes", "call_peak_bytes", "step_peak_anon_bytes", "call_peak_anon_bytes")
@@ -123,8 +127,8 @@ def _summary(rows: list[dict], methods: list[str]) -> dict[str, dict]:
             "worst_accuracy": worst["accuracy"],
             "worst_subject": worst["subject"],
             "mean_gain_over_source_only": statistics.fmean(gains),
-            "subjects_improved": sum(g > 0 for g in gains),
-            "subjects_hurt": sum(g < 0 for g in gains),
+            "subjects_improved": sum(g > HURT_POINT for g in gains),
+            "subjects_hurt": sum(g < -HURT_POINT for g in gains),
             "lr_chosen": {f"{lr:g}": lrs.count(lr) for lr in sorted(set(lrs))},
             "trainable_numel": int(statistics.median(r["trainable_numel"] for r in mine)),
             "trained_bytes": int(statistics.median(r["trained_bytes"] for r in mine)),
@@ -174,7 +178,7 @@ def _markdown(result: dict) -> str:
         "",
         lr_note,
         "",
-        "| method | mean acc | worst acc (subj) | Δ vs source (mean) | improved/hurt | lr (chosen on source) | "
+        "| method | mean acc | worst acc (subj) | Δ vs source (mean) | improved/hurt (>1 pt) | lr (chosen on source) | "
         "trained el. | trained bytes | +grad+AdamW | step peak MB total / anon | adapt-call peak MB total / anon "
         "| call vs full | adapt time vs full |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -295,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory-budget", metavar="BYTES",
                    help="also run a budget method: the planner picks what trains within this budget per adapt call "
                         "(bytes or e.g. 256KiB)")
+    p.add_argument("--target-shift", choices=SHIFTS, default=None,
+                   help="a sensor shift applied to each held-out subject's windows (datasets/shifts.py)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="threads for pretraining and adaptation (default 1)")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
@@ -357,7 +363,18 @@ def main(argv: list[str] | None = None) -> int:
                       f"{next(iter(selection.values())).validation_subjects if selection else '-'} in "
                       f"{time.perf_counter() - t0:.0f} s: " + ", ".join(f"{m} {lr:g}" for m, lr in lrs.items()),
                       flush=True)
-            split = make_split(ds, target, args.k_per_class, args.seed)
+            fold_ds = ds if args.target_shift is None else shift_subject(ds, target, args.target_shift, args.seed)
+            label_free = {}
+            for m in (m for m in methods if m == "label-free"):
+                t0 = time.perf_counter()
+                label_free[m] = select_label_free_settings(
+                    fold_ds, target, args.model, workdir=Path(work), validation_subjects=args.validation_subjects,
+                    k_per_class=args.k_per_class, pretrain_epochs=args.pretrain_epochs, seed=args.seed,
+                    threads=args.threads)
+                print(f"  [{i + 1}/{len(subjects)}] subject {target}: {m} settings chosen on source subjects "
+                      f"{label_free[m].validation_subjects} in {time.perf_counter() - t0:.0f} s: {label_free[m].settings}",
+                      flush=True)
+            split = make_split(fold_ds, target, args.k_per_class, args.seed)
             t0 = time.perf_counter()
             model = pretrain_source(args.model, split, epochs=args.pretrain_epochs, seed=args.seed,
                                     threads=args.threads)
@@ -370,12 +387,17 @@ def main(argv: list[str] | None = None) -> int:
                     "source_val_accuracy_mean": statistics.fmean(val_acc.values()),
                     "lr_selection": {m: {"lr": v.lr, "grid": list(v.grid), "mean_accuracy": list(v.mean_accuracy),
                                          "validation_subjects": list(v.validation_subjects)}
-                                     for m, v in selection.items()}}
+                                     for m, v in selection.items()},
+                    "label_free_selection": {m: {"settings": v.settings, "grid": list(v.grid), "gains": list(v.gains),
+                                                 "scores": list(v.scores),
+                                                 "validation_subjects": list(v.validation_subjects)}
+                                             for m, v in label_free.items()}}
             reports = {}
             target_data = save_target_data(split, Path(work))
             for m in methods:
                 r = run_method(m, model, args.model, split, target_data, Path(work) / m, epochs=args.epochs,
-                               lr=lrs[m], seed=args.seed, threads=args.threads)
+                               lr=lrs[m], seed=args.seed, threads=args.threads,
+                               unlabeled=label_free[m].settings if m in label_free else None)
                 if r["torch_imported"]:
                     raise RuntimeError("internal: the adaptation process imported torch")
                 manifest = json.loads((Path(work) / m / "bundle" / "manifest.json").read_text())
@@ -416,6 +438,7 @@ def main(argv: list[str] | None = None) -> int:
                 "adapt_time_s": r["adapt_time_s"], "adapt_time_vs_full": r["adapt_time_s"] / full_t if full_t else None,
                 "policy": r["policy"], "loss": r["loss"], "batchnorm": r["batchnorm"], "steps": r["steps"],
                 "epoch_losses": r["epoch_losses"], "accuracy_before": r["accuracy_before"], "session": r["session"],
+                "label_free": r.get("label_free"),
             })
         fold["time_s"] = time.perf_counter() - t_fold
         result["folds"].append(fold)

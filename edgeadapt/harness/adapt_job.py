@@ -36,6 +36,9 @@ class AdaptJobSpec:
         epochs, batch_size, lr, schedule, seed: passed to ``Runner.adapt``; ``lr=None`` uses
             the bundle's.
         device, threads: passed to ``Runner.load``.
+        unlabeled: settings of ``Runner.adapt_unlabeled`` (JSON form): the job adapts label-free
+            with them instead of calling ``Runner.adapt``; the report gains ``label_free`` (the
+            gate's decision and evidence, the stages kept, resets).
     """
 
     bundle: str
@@ -49,6 +52,7 @@ class AdaptJobSpec:
     seed: int = 0
     device: str = "auto"
     threads: int | None = None
+    unlabeled: dict | None = None
 
 
 def run_job(spec: AdaptJobSpec) -> dict[str, Any]:
@@ -79,9 +83,18 @@ def run_job(spec: AdaptJobSpec) -> dict[str, Any]:
     before = runner.evaluate(held_out.X, held_out.y) if labeled else None
     heap_trimmed = trim_heap()  # the measuring protocol: freed heap back to the OS before the baseline
     base = status_fields("VmRSS", "RssAnon")
-    result = runner.adapt(adapt.X, adapt.y if labeled else None, epochs=spec.epochs,
-                          batch_size=spec.batch_size, lr=spec.lr, schedule=spec.schedule,
-                          seed=spec.seed, progress=False)
+    label_free = None
+    if spec.unlabeled is not None:
+        from ..runtime import AdaptResult
+        from ..runtime.unlabeled import UnlabeledSettings
+
+        label_free = runner.adapt_unlabeled(adapt.X, UnlabeledSettings.from_dict({"seed": spec.seed, **spec.unlabeled}))
+        result = AdaptResult(0, label_free.steps, (), label_free.time_s, call_peak_bytes=label_free.call_peak_bytes,
+                             call_peak_anon_bytes=label_free.call_peak_anon_bytes)
+    else:
+        result = runner.adapt(adapt.X, adapt.y if labeled else None, epochs=spec.epochs,
+                              batch_size=spec.batch_size, lr=spec.lr, schedule=spec.schedule,
+                              seed=spec.seed, progress=False)
     after = runner.evaluate(held_out.X, held_out.y) if labeled else None
     if not labeled:  # label-free bundle: accuracy from the logits
         logits = runner.predict(held_out.X)
@@ -111,6 +124,7 @@ def run_job(spec: AdaptJobSpec) -> dict[str, Any]:
         "n_adapt_windows": int(len(adapt.y)),
         "n_eval_windows": int(len(held_out.y)),
         "host": host_info(),
+        "label_free": None if label_free is None else asdict(label_free),
     }
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from .adapt_job import AdaptJobSpec, run_job_in_subprocess
+from .label_free import UNLABELED_METHOD_SETTINGS
 from ..datasets import ChannelNormalizer, WindowDataset, few_shot_split
 
 __all__ = ["Method", "METHODS", "ALL_METHODS", "LABEL_FREE", "FIXED_LR", "LR_GRID", "PRETRAIN_THREADS",
@@ -55,6 +56,9 @@ class Method:
         memory_budget: a memory budget for the whole device ``adapt`` call (bytes or a string
             such as ``"256KiB"``): the planner picks what trains within it and ``policy`` is
             not used (see :func:`budget_method`).
+        unlabeled: settings of ``Runner.adapt_unlabeled`` (JSON form, see
+            :mod:`.label_free`): the method adapts with them instead of ``Runner.adapt``, at its
+            own settings (no learning rate is selected or fixed for it).
     """
 
     name: str
@@ -65,6 +69,7 @@ class Method:
     channel_ratio: float | None = None
     description: str = ""
     memory_budget: int | str | None = None
+    unlabeled: dict | None = None
 
     @property
     def label_free(self) -> bool:
@@ -95,6 +100,17 @@ METHODS: dict[str, Method] = _registry(
     Method("sparse", None, description="head + 25% of the last block's output channels + its norm"),
     Method("sparse-12", None, channel_ratio=0.125, description="as sparse, 12.5% of the channels"),
     Method("full", "full", description="every parameter"),
+    *(Method(name, "bias-norm", loss="entropy", batchnorm="batch", trains=False, unlabeled=settings,
+             description=description)
+      for name, settings, description in (
+          ("anchored-bn", UNLABELED_METHOD_SETTINGS["anchored-bn"],
+           "BatchNorm statistics mixed with the source's, w = n/(n+N0), label-free"),
+          ("reliable-entropy", UNLABELED_METHOD_SETTINGS["reliable-entropy"],
+           "entropy steps on confident windows, pulled back to the source values, label-free"),
+          ("prototypes", UNLABELED_METHOD_SETTINGS["prototypes"],
+           "class prototypes of confident windows mixed into the head, backprop-free, label-free"),
+          ("label-free", UNLABELED_METHOD_SETTINGS["label-free"],
+           "recommended: anchored statistics + prototypes, resets, safety gate back to the source"))),
 )
 ALL_METHODS = ("source-only", *METHODS)
 
@@ -275,11 +291,12 @@ def export_method(method: str, model, model_name: str, example_X: np.ndarray, bu
 
 def run_method(method: str, model, model_name: str, split: SplitData, target_data: tuple[Path, Path],
                workdir: Path, *, epochs: int, lr: float, batch_size: int = 16, seed: int = 0,
-               threads: int | None = None, policy: str | None = None, progress: bool = False) -> dict:
+               threads: int | None = None, policy: str | None = None, unlabeled: dict | None = None, progress: bool = False) -> dict:
     """Export ``model`` for ``method`` and adapt it to the target in a torch-free process.
 
     ``target_data`` are the files :func:`save_target_data` wrote for ``split``. ``lr`` is the
-    adaptation learning rate (a method that does not train runs at 0). ``policy`` (an
+    adaptation learning rate (a method that does not train runs at 0; a label-free method with
+    ``unlabeled`` settings adapts with those, or with ``unlabeled`` given here, chosen per fold). ``policy`` (an
     ``UpdatePolicy.parse`` spec) replaces the method's own policy. ``threads``: the runner's
     intra-op threads. ``progress``: the export's stages as a progress bar. Returns the job
     report (accuracy before/after, step and call peaks, trainable elements, times) with the
@@ -293,7 +310,8 @@ def run_method(method: str, model, model_name: str, split: SplitData, target_dat
     job_lr = lr if recipe["trains"] else 0.0
     spec = AdaptJobSpec(bundle=str(bundle), adapt_data=str(target_data[0]),
                         eval_data=str(target_data[1]), out_dir=str(workdir / "adapted"),
-                        epochs=epochs, batch_size=batch_size, lr=job_lr, seed=seed, device="cpu", threads=threads)
+                        epochs=epochs, batch_size=batch_size, lr=job_lr, seed=seed, device="cpu", threads=threads,
+                        unlabeled=unlabeled if unlabeled is not None else METHODS[method].unlabeled)
     report = run_job_in_subprocess(spec, workdir)
     report.update(method=method, policy=recipe["policy"], loss=recipe["loss"], batchnorm=recipe["batchnorm"],
                   lr=job_lr)

@@ -1,0 +1,115 @@
+"""The label-free methods of the study and the choice of their settings on source subjects only.
+
+Each label-free method of ``study.METHODS`` carries settings for
+:meth:`~edgeadapt.runtime.Runner.adapt_unlabeled` (JSON, as :class:`UnlabeledSettings` takes
+them); its bundle is exported with the entropy loss, batch-statistics BatchNorm and the
+``bias-norm`` policy, so that every stage can run. ``label-free`` is the recommended safe
+method: source-anchored statistics, prototype head, resets and the safety gate. The LOSO study
+chooses its settings per fold among :data:`LABEL_FREE_GRID` by leave-one-source-subject-out
+(:func:`select_label_free_settings`), as it chooses learning rates; a fixed learning rate
+(``--fixed-lr``) does not touch them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["LABEL_FREE_DEFAULTS", "UNLABELED_METHOD_SETTINGS", "LABEL_FREE_GRID", "LabelFreeSelection",
+           "selection_score", "select_label_free_settings"]
+
+log = logging.getLogger(__name__)
+
+# The recommended method's settings (UnlabeledSettings fields not named keep their defaults):
+# the setting the LOSO study's per-fold selection chose most often on watch (README, "Safe
+# label-free adaptation"), every fold choosing on its source subjects only.
+LABEL_FREE_DEFAULTS: dict = {"stats_prior_windows": 64.0, "prototype_mix": 0.3, "gate": True}
+
+# The other label-free methods of the registry, one stage each, no gate (references).
+UNLABELED_METHOD_SETTINGS: dict[str, dict] = {
+    "anchored-bn": {"stats_prior_windows": 64.0, "prototype_mix": 0.0, "gate": False},
+    "reliable-entropy": {"stats_prior_windows": float("inf"), "prototype_mix": 0.0, "entropy_steps": 20,
+                         "lr": 1e-3, "entropy_threshold": 0.4, "anchor": 0.1, "gate": False},
+    "prototypes": {"stats_prior_windows": float("inf"), "prototype_mix": 0.3, "gate": False},
+    "label-free": LABEL_FREE_DEFAULTS,
+}
+
+# What the selection tries for label-free (each with the gate on).
+LABEL_FREE_GRID: tuple[dict, ...] = tuple(
+    {"stats_prior_windows": n0, "prototype_mix": mix, "gate": True}
+    for n0 in (16.0, 64.0, 256.0) for mix in (0.0, 0.3))
+
+# A validation subject losing more than this (accuracy, fraction) counts as hurt.
+HURT_TOLERANCE = 0.01
+# Weight of the hurt beyond the tolerance against the mean gain in the selection score.
+HURT_PENALTY = 2.0
+
+
+def selection_score(gains: list[float]) -> float:
+    """Mean gain over the validation subjects minus ``HURT_PENALTY`` x the mean loss beyond
+    ``HURT_TOLERANCE`` (a setting that hurts a subject pays for it more than it gains elsewhere)."""
+    g = np.asarray(gains, dtype=np.float64)
+    return float(g.mean() - HURT_PENALTY * np.maximum(0.0, -g - HURT_TOLERANCE).mean())
+
+
+@dataclass(frozen=True)
+class LabelFreeSelection:
+    """The settings chosen for one fold, and what every candidate scored.
+
+    Attributes:
+        settings: the chosen candidate (JSON form).
+        grid: the candidates tried.
+        gains: per candidate, the accuracy gain over the source model on each validation subject.
+        scores: per candidate, :func:`selection_score` of its gains.
+        validation_subjects: the source subjects that played the new subject in turn.
+    """
+
+    settings: dict
+    grid: tuple[dict, ...]
+    gains: tuple[tuple[float, ...], ...]
+    scores: tuple[float, ...]
+    validation_subjects: tuple[int, ...]
+
+
+def select_label_free_settings(ds, target_subject: int, model_name: str, *, workdir: Path,
+                               validation_subjects: int = 2, grid: tuple[dict, ...] = LABEL_FREE_GRID,
+                               k_per_class: int, pretrain_epochs: int, seed: int = 0,
+                               threads: int | None = None) -> LabelFreeSelection:
+    """Choose the label-free settings of one fold by leave-one-source-subject-out.
+
+    The target subject's windows are dropped; ``validation_subjects`` source subjects (the
+    same seeded choice as ``study.select_learning_rates``) each play the new subject once: a
+    model pretrained on the other source subjects adapts label-free from the validation
+    subject's ``k_per_class`` windows per class (labels unused) with each candidate, and the
+    accuracy gain on its other windows is scored by :func:`selection_score`; the best score wins
+    (ties: the earlier candidate).
+    """
+    from ..runtime import Runner
+    from ..runtime.unlabeled import UnlabeledSettings
+    from .study import export_method, make_split, pretrain_source
+
+    source = ds.subset(ds.subject != target_subject)
+    rng = np.random.default_rng([seed, target_subject])
+    chosen = sorted(int(s) for s in rng.choice(source.subjects, size=min(validation_subjects, len(source.subjects) - 1),
+                                                replace=False))
+    gains: list[list[float]] = [[] for _ in grid]
+    for v in chosen:
+        split = make_split(source, v, k_per_class, seed)
+        model = pretrain_source(model_name, split, epochs=pretrain_epochs, seed=seed)
+        ad, ev = split.target_adapt, split.target_eval
+        bundle = workdir / f"select-label-free-{target_subject}-{v}"
+        export_method("label-free", model, model_name, ad.X, bundle)
+        runner = Runner.load(bundle, device="cpu", threads=threads)
+        before = float((runner.predict(ev.X).argmax(1) == ev.y).mean())
+        for i, candidate in enumerate(grid):
+            runner = Runner.load(bundle, device="cpu", threads=threads)
+            runner.adapt_unlabeled(ad.X, UnlabeledSettings.from_dict({**candidate, "seed": seed}))
+            gains[i].append(float((runner.predict(ev.X).argmax(1) == ev.y).mean()) - before)
+        log.info("fold %s, validation subject %s: label-free gains %s", target_subject, v,
+                 ", ".join(f"{g[-1]:+.3f}" for g in gains))
+    scores = tuple(selection_score(g) for g in gains)
+    best = max(range(len(grid)), key=lambda i: (round(scores[i], 9), -i))
+    return LabelFreeSelection(dict(grid[best]), tuple(grid), tuple(tuple(g) for g in gains), scores, tuple(chosen))
