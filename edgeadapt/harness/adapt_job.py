@@ -81,6 +81,7 @@ def run_job(spec: AdaptJobSpec) -> dict[str, Any]:
     loaded = status_fields("VmRSS", "RssAnon")
     labeled = runner.manifest.label is not None
     before = runner.evaluate(held_out.X, held_out.y) if labeled else None
+    before_logits = None if labeled else runner.predict(held_out.X)
     heap_trimmed = trim_heap()  # the measuring protocol: freed heap back to the OS before the baseline
     base = status_fields("VmRSS", "RssAnon")
     label_free = None
@@ -105,7 +106,8 @@ def run_job(spec: AdaptJobSpec) -> dict[str, Any]:
         "threads": spec.threads,
         "torch_imported": any(m == "torch" or m.startswith("torch.") for m in sys.modules),
         "accuracy_after": after.accuracy if labeled else after_acc,
-        "accuracy_before": before.accuracy if labeled else None,
+        # a label-free bundle takes no labels: its accuracy from the logits, as after adapting
+        "accuracy_before": before.accuracy if labeled else float((before_logits.argmax(1) == held_out.y).mean()),
         "loss_after": after.loss if labeled else None,
         "epoch_losses": list(result.epoch_losses),
         "steps": result.steps,
