@@ -25,17 +25,43 @@ def _script():
     return module
 
 
-def test_the_figures_compared_are_parsed_from_the_table():
+def _row(method: str, after: float, numel: int) -> dict:
+    mib = 2**20
+    return {"method": method, "policy": method, "feasible": True, "accuracy_before": 0.5, "accuracy_after": after,
+            "trainable_numel": numel, "trained_modules": ["head"], "step_peak_bytes": mib, "call_peak_bytes": 2 * mib,
+            "step_peak_anon_bytes": mib // 2, "call_peak_anon_bytes": mib}
+
+
+REPORT = {"config": {"memory_budget": "600KiB"}, "host": {"cpu": {"model": "a CPU"}}, "settings": {"adapt_threads": 1},
+          "target_subject": 7, "total_time_s": 30.0, "per_subject_source_only": {"0": 0.9, "1": 0.8, "7": 0.5},
+          "main": _row("sparse", 0.8, 15366),
+          "compared": [_row("last-layer", 0.75, 774), _row("budget-600KiB", 0.75, 774),
+                       {"method": "budget-1KiB", "feasible": False, "minimum_budget_bytes": 482_746}]}
+
+
+def test_readme_names_its_options_and_the_compared_figures_are_parsed_from_a_table():
     script = _script()
-    options, block = script.readme_block((REPO / "README.md").read_text())
+    options, _ = script.readme_block((REPO / "README.md").read_text())
+    assert options == ["--memory-budget", "600KiB"]
+    block = readme_table(REPORT)
+    assert "`edgeadapt quickstart --memory-budget 600KiB`" in block
     figures = script.exact_figures(block)
-    assert options and figures["rows"] and figures["source"] and figures["held_out"]
-    assert all(len(row) == 3 for row in figures["rows"])
-    # a table differing in one accuracy digit differs; one differing only in memory does not
-    first = block.splitlines()[4]
-    cells = first.split("|")
-    assert script.exact_figures(block.replace(first, "|".join([*cells[:2], cells[2].replace("→", "→ 9"), *cells[3:]]))) != figures
-    assert script.exact_figures(block.replace(first, "|".join([*cells[:4], " 99.9 (9.9) ", *cells[5:]]))) == figures
+    assert figures["rows"][0] == ["sparse (head + 25% of the last block's output channels + its norm)",
+                                  "0.500 → **0.800**", "15,366"]
+    assert figures["rows"][2][0] == "`--memory-budget 600KiB` (the planner's choice: head)"
+    assert figures["rows"][3][1] == "infeasible: the smallest plan needs 471.43 KiB"
+    assert figures["source"] == ("0.850", "2") and figures["held_out"] == "7"
+    # one accuracy digit differs: the figures differ; only memory differs: they do not
+    other = {**REPORT, "main": {**REPORT["main"], "accuracy_after": 0.801}}
+    assert script.exact_figures(readme_table(other)) != figures
+    other = {**REPORT, "main": {**REPORT["main"], "step_peak_bytes": 3 * 2**20}, "total_time_s": 99.0}
+    assert script.exact_figures(readme_table(other)) == figures
+    # rewriting the block leaves the rest of README.md as it was
+    text = (REPO / "README.md").read_text()
+    rewritten = script.replace_block(text, block)
+    assert script.readme_block(rewritten) == (options, block)
+    assert rewritten.split("<!-- quickstart table")[0] == text.split("<!-- quickstart table")[0]
+    assert rewritten.split("<!-- end quickstart table -->")[1] == text.split("<!-- end quickstart table -->")[1]
 
 
 @pytest.mark.slow
