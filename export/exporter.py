@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import logging
 import os
 import re
@@ -34,6 +35,8 @@ from .objectives import LOSSES, OptimizerConfig, loss_block, optimizer_block, us
 from .planning import check_entries, cut_model, manifest_plan, node_groups, plan_export, policy_of_plan
 from .prepare import channel_masks, prepare_from_plan, prepare_model
 from .selfcheck import SelfCheckError, choose_session
+from .portable.check import check_portable
+from .portable.writer import example_labels, write_portable
 
 __all__ = ["export_bundle", "REWRITE_TOLERANCE", "EXPORT_STAGES"]
 
@@ -45,6 +48,8 @@ INPUT_NAME, OUTPUT_NAME = "input", "output"
 # What an export does, in order (each may take seconds on a large model): the progress it reports.
 EXPORT_STAGES = ("tracing", "planning", "ONNX export", "training artifacts", "self-check")
 PREFIX_FILE = "prefix_model.onnx"
+# export_bundle(backend=...): "auto" = both where onnxruntime.training is importable, else portable.
+BACKEND_CHOICES = ("auto", "portable", "ort-training", "both")
 
 
 def _label_spec(loss: str, output_shape: tuple[int, ...]) -> dict | None:
@@ -184,13 +189,45 @@ def _bake_recompute(training_path: Path, model_proto: onnx.ModelProto, graph: Gr
     return plan, done
 
 
+def resolve_backends(backend: str) -> tuple[str, ...]:
+    """The training engines an export writes for ``backend`` (one of :data:`BACKEND_CHOICES`).
+
+    Raises:
+        ValueError: an unknown choice, or ``ort-training`` / ``both`` where onnxruntime.training
+            is not installed.
+    """
+    if backend not in BACKEND_CHOICES:
+        raise ValueError(f"backend must be one of {BACKEND_CHOICES}, got {backend!r}")
+    try:
+        has_training = importlib.util.find_spec("onnxruntime.training") is not None
+    except (ImportError, ValueError):
+        has_training = False
+    if backend == "auto":
+        return ("ort-training", "portable") if has_training else ("portable",)
+    wanted = ("ort-training", "portable") if backend == "both" else (backend,)
+    if "ort-training" in wanted and not has_training:
+        raise ValueError(f"backend {backend!r} needs onnxruntime-training, which is not installed here (it exists "
+                         "for x86_64 with Python <= 3.12); export with backend='portable'")
+    return wanted
+
+
+def _suffix_example(split, example_input: torch.Tensor) -> np.ndarray:
+    """The example batch as the trained graph takes it: the prefix model's features when there is one."""
+    if split is None:
+        return example_input.numpy()
+    session = onnxruntime.InferenceSession(split.prefix.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {INPUT_NAME: example_input.numpy()})[0]
+
+
 def _draft_manifest(stage: Path, entries, loss: str, opt: OptimizerConfig, batchnorm: str, label,
                     example_input: torch.Tensor, output: torch.Tensor, policy: UpdatePolicy,
-                    plan: dict | None = None, graph: dict | None = None) -> Manifest:
-    files = {
-        "training_model": "training_model.onnx", "eval_model": "eval_model.onnx",
-        "optimizer_model": "optimizer_model.onnx", "checkpoint": "checkpoint", "masks": "masks.npz",
-    }
+                    plan: dict | None = None, graph: dict | None = None, backends: tuple[str, ...] = ("ort-training",),
+                    portable_files: dict | None = None, portable: dict | None = None) -> Manifest:
+    files = {"masks": "masks.npz"}
+    if "ort-training" in backends:
+        files.update({"training_model": "training_model.onnx", "eval_model": "eval_model.onnx",
+                      "optimizer_model": "optimizer_model.onnx", "checkpoint": "checkpoint"})
+    files.update(portable_files or {})
     if (stage / PREFIX_FILE).exists():
         files["prefix_model"] = PREFIX_FILE
     return Manifest(
@@ -200,7 +237,7 @@ def _draft_manifest(stage: Path, entries, loss: str, opt: OptimizerConfig, batch
         output=TensorSpec(OUTPUT_NAME, (None, *output.shape[1:]), "float32"),
         label=label, loss=loss, optimizer=opt.to_dict(), batchnorm=batchnorm,
         policy=policy.to_dict(), parameters=entries, versions=package_versions(),
-        state={"epoch": 0, "step": 0}, plan=plan, graph=graph,
+        state={"epoch": 0, "step": 0}, plan=plan, graph=graph, backends=backends, portable=portable,
     )
 
 
@@ -220,6 +257,7 @@ def export_bundle(
     cache_features: bool | None = None,
     recompute: bool = False,
     progress: bool = False,
+    backend: str = "auto",
 ) -> Manifest:
     """Export ``model`` to an on-device training bundle at ``out_dir``.
 
@@ -250,6 +288,14 @@ def export_bundle(
             recomputed graph keeps fewer bytes for the backward but ONNX Runtime's buffer reuse
             often holds the freed buffers anyway, so the step's peak did not reliably fall
             (docs/scheduler.md).
+        backend: which training engines the bundle holds: ``"ort-training"`` (ONNX Runtime
+            training artifacts), ``"portable"`` (step graphs in standard ONNX ops for stock
+            onnxruntime: :mod:`.portable`), ``"both"``, or ``"auto"``: both where
+            onnxruntime.training is installed, portable alone where not (nothing from
+            onnxruntime.training is imported then). The portable graphs keep every activation
+            the backward reads: a plan's recompute is carried out by the ort-training graphs only
+            (``manifest.portable["recompute"]`` is false); a portable-only export keeps the
+            plan's recomputed activations instead and verifies the budget again.
         progress: show the export's stages (:data:`EXPORT_STAGES`) as a tqdm bar on stderr; each
             stage's time is logged at INFO either way.
 
@@ -282,17 +328,18 @@ def export_bundle(
         raise ValueError("example_input must be a float32 torch.Tensor of shape (batch, ...)")
     if Path(out_dir).exists():
         raise FileExistsError(f"{out_dir} already exists; choose a new bundle directory or remove it")
+    backends = resolve_backends(backend)
     with Stages("export", len(EXPORT_STAGES), progress=progress) as stages:
         return _export(model, example_input, out_dir, given_policy=given_policy, loss=loss, opt=opt,
                        batchnorm=batchnorm, budget_bytes=budget_bytes, n_windows=n_windows,
                        batch_windows=batch_windows, importance=importance, cache_features=cache_features,
-                       recompute=recompute, stages=stages)
+                       recompute=recompute, stages=stages, backends=backends)
 
 
 def _export(model: nn.Module, example_input: torch.Tensor, out_dir: str | Path, *, given_policy: UpdatePolicy | None,
             loss: str, opt: OptimizerConfig, batchnorm: str, budget_bytes: int | None, n_windows: int,
             batch_windows: int, importance: dict[str, float] | None, cache_features: bool | None, recompute: bool,
-            stages: Stages) -> Manifest:
+            stages: Stages, backends: tuple[str, ...]) -> Manifest:
     """:func:`export_bundle` once its arguments are checked, reporting :data:`EXPORT_STAGES` to ``stages``."""
     stages.start(EXPORT_STAGES[0])
     with torch.no_grad():
@@ -326,58 +373,76 @@ def _export(model: nn.Module, example_input: torch.Tensor, out_dir: str | Path, 
     split, plan = (None, None) if plan is None else cut_model(model_proto, graph, plan, entries, batchnorm)
     onnxruntime.set_default_logger_severity(3)
     stages.start(EXPORT_STAGES[3])
+    if "ort-training" not in backends and plan is not None and plan.recomputed:
+        # the portable graphs keep every activation the backward reads
+        log.info("recompute: the portable graphs keep the saved activations of %s", list(plan.recomputed))
+        plan = _keep(graph, plan, set(plan.recomputed))
+        _verify_budget(graph, plan)
     with staged_directory(out_dir) as stage:
         if split is not None:
             onnx.save(split.prefix, stage / PREFIX_FILE)
-        _generate(model_proto if split is None else split.suffix, entries, loss, opt, stage)
-        check_grouped_conv_grads(onnx.load(stage / "training_model.onnx", load_external_data=False))
-        opt_path = stage / "optimizer_model.onnx"
-        opt_model = onnx.load(opt_path)
-        if use_torch_adamw(opt_model):
-            onnx.save(opt_model, opt_path)
-        training_path = stage / "training_model.onnx"
+        trained_model = model_proto if split is None else split.suffix
         plain_training, recomputed = b"", []
-        if plan is not None and plan.recomputed:
-            plain_training = training_path.read_bytes()
-            plan, recomputed = _bake_recompute(training_path, model_proto, graph, plan)
-        for f in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", *([PREFIX_FILE] if split else [])):
-            ir = onnx.load(stage / f, load_external_data=False).ir_version
-            if ir > MAX_IR_VERSION:
-                raise RuntimeError(
-                    f"{f} has ONNX IR version {ir}; ONNX Runtime 1.19.2 loads <= {MAX_IR_VERSION}. "
-                    "Install onnx==1.17.0 (pip install 'edgeadapt[server]')"
-                )
+        training_path = stage / "training_model.onnx"
+        if "ort-training" in backends:
+            _generate(trained_model, entries, loss, opt, stage)
+            check_grouped_conv_grads(onnx.load(training_path, load_external_data=False))
+            opt_path = stage / "optimizer_model.onnx"
+            opt_model = onnx.load(opt_path)
+            if use_torch_adamw(opt_model):
+                onnx.save(opt_model, opt_path)
+            if plan is not None and plan.recomputed:
+                plain_training = training_path.read_bytes()
+                plan, recomputed = _bake_recompute(training_path, model_proto, graph, plan)
+            for f in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", *([PREFIX_FILE] if split else [])):
+                ir = onnx.load(stage / f, load_external_data=False).ir_version
+                if ir > MAX_IR_VERSION:
+                    raise RuntimeError(
+                        f"{f} has ONNX IR version {ir}; ONNX Runtime 1.19.2 loads <= {MAX_IR_VERSION}. "
+                        "Install onnx==1.17.0 (pip install 'edgeadapt[server]')"
+                    )
+            if label is not None:  # ORT's loss blocks name their label input ("labels" or "target"): record theirs
+                train_inputs = onnx.load(training_path, load_external_data=False).graph.input
+                label = {**label, "name": train_inputs[1].name}
         np.savez(stage / "masks.npz", **channel_masks(entries, prepared.trained_channels))
-        if label is not None:  # ORT's loss blocks name their label input ("labels" or "target"): record theirs
-            train_inputs = onnx.load(training_path, load_external_data=False).graph.input
-            label = {**label, "name": train_inputs[1].name}
+        portable = None
+        if "portable" in backends:
+            portable = write_portable(stage, trained_model, entries, loss, batchnorm, opt.to_dict(),
+                                      _suffix_example(split, example_input),
+                                      example_labels(loss, label, len(example_input)))
 
         def draft_for(plan: Plan | None, recomputed: bool) -> Manifest:
             draft = _draft_manifest(stage, entries, loss, opt, batchnorm, label, example_input, output, policy,
                                     plan=None if plan is None else manifest_plan(plan),
-                                    graph=None if graph is None else graph.to_dict())
+                                    graph=None if graph is None else graph.to_dict(), backends=backends,
+                                    portable_files=None if portable is None else portable.files,
+                                    portable=None if portable is None else portable.portable)
             if recomputed:  # ORT's common subexpression elimination would merge the copies back
                 draft = replace(draft, session={**draft.session, "disable_cse": True})
             return draft
 
         draft = draft_for(plan, bool(recomputed))
         stages.start(EXPORT_STAGES[4])
-        try:
-            session = choose_session(stage, draft, prepared.module, prepared.entries, example_input.numpy())
-        except SelfCheckError as e:
-            if not recomputed:
-                raise
-            # ONNX Runtime miscomputes some rewritten graphs (a grouped ConvGrad overwrites a
-            # gradient buffer another branch still reads, depending on the execution order). The
-            # graph without the copies is checked first: if it fails too, the model is the cause.
-            training_path.write_bytes(plain_training)
-            plan = _keep(graph, plan, set(plan.recomputed))
-            draft = draft_for(plan, False)
-            session = choose_session(stage, draft, prepared.module, prepared.entries, example_input.numpy())
-            log.warning("recompute: ONNX Runtime's training step with the rebuilt tensors does not reproduce "
-                        "torch, without them it does; exporting without recompute (%s)", str(e).splitlines()[0])
-            _verify_budget(graph, plan)
-        manifest = replace(draft, session=session)
+        manifest = draft
+        if "ort-training" in backends:
+            try:
+                session = choose_session(stage, draft, prepared.module, prepared.entries, example_input.numpy())
+            except SelfCheckError as e:
+                if not recomputed:
+                    raise
+                # ONNX Runtime miscomputes some rewritten graphs (a grouped ConvGrad overwrites a
+                # gradient buffer another branch still reads, depending on the execution order). The
+                # graph without the copies is checked first: if it fails too, the model is the cause.
+                training_path.write_bytes(plain_training)
+                plan = _keep(graph, plan, set(plan.recomputed))
+                draft = draft_for(plan, False)
+                session = choose_session(stage, draft, prepared.module, prepared.entries, example_input.numpy())
+                log.warning("recompute: ONNX Runtime's training step with the rebuilt tensors does not reproduce "
+                            "torch, without them it does; exporting without recompute (%s)", str(e).splitlines()[0])
+                _verify_budget(graph, plan)
+            manifest = replace(draft, session=session)
+        if portable is not None:
+            check_portable(stage, manifest, prepared.module, prepared.entries, example_input.numpy())
         manifest = stamp_contract(stage, manifest)  # last: the graphs record the final settings
         write_manifest(stage, manifest)
     log.info("exported bundle to %s: %d of %d parameter elements train",
