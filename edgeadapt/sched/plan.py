@@ -156,6 +156,8 @@ class Plan:
         activations: per op name with saved activations after the cut: keep or recompute.
         order: execution / prefetch order of blocks (server); empty on the device.
         prefetch_depth: blocks brought in ahead of use (server).
+        update_chunk_numel: elements per chunk of the staged optimizer update (server); ``None``
+            on the device.
         optimizer: ``"adamw"`` or ``"sgd"`` (decides optimizer-state bytes).
         budget_bytes: the budget the plan was made for; ``None`` for an unconstrained plan.
         predicted: the planner's predicted peak.
@@ -176,6 +178,7 @@ class Plan:
     budget_bytes: int | None = None
     predicted: Peak | None = None
     policy: dict[str, Any] | None = None
+    update_chunk_numel: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", tuple(self.params))
@@ -187,6 +190,8 @@ class Plan:
         if self.micro_batch_windows > self.batch_windows:
             raise ValueError(f"plan: micro_batch_windows ({self.micro_batch_windows}) exceeds batch_windows "
                              f"({self.batch_windows})")
+        if self.update_chunk_numel is not None and self.update_chunk_numel < 1:
+            raise ValueError(f"plan: update_chunk_numel must be >= 1, got {self.update_chunk_numel}")
         if self.cut < -1 or self.prefetch_depth < 0:
             raise ValueError("plan: cut must be >= -1 and prefetch_depth >= 0")
         if self.optimizer not in ("adamw", "sgd"):
@@ -218,7 +223,7 @@ class Plan:
 
     # ---- JSON ------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "plan_version": PLAN_VERSION,
             "graph": self.graph,
             "params": [p.to_dict() for p in self.params],
@@ -235,6 +240,9 @@ class Plan:
             "predicted": None if self.predicted is None else self.predicted.to_dict(),
             "policy": self.policy,
         }
+        if self.update_chunk_numel is not None:  # server plans only: device manifests keep their keys
+            d["update_chunk_numel"] = self.update_chunk_numel
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:
@@ -250,6 +258,7 @@ class Plan:
             budget_bytes=d.get("budget_bytes"),
             predicted=None if d.get("predicted") is None else Peak.from_dict(d["predicted"]),
             policy=d.get("policy"),
+            update_chunk_numel=None if d.get("update_chunk_numel") is None else int(d["update_chunk_numel"]),
         )
 
     def to_json(self) -> str:

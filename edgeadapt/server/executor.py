@@ -46,11 +46,12 @@ import torch
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
+from ..sched.offload import DEFAULT_CHUNK_NUMEL
 from ..sched.plan import Plan
 from ..optimizer_config import OptimizerConfig
 from .optim import update_block
 from .residency import MemoryLedger, Residency
-from .store import StateStore
+from .store import ACCUMULATOR, StateStore
 from .trace import Block
 
 __all__ = ["StreamingExecutor", "BlockSlot", "ReduceFn"]
@@ -97,6 +98,7 @@ class BlockSlot:
     full_names: tuple[str, ...] = ()
     resident: bool = False
     placeholders: list[torch.Tensor] | None = None
+    accumulated: set[int] = field(default_factory=set)
 
     @property
     def weight_bytes(self) -> int:
@@ -135,8 +137,6 @@ class StreamingExecutor:
         plan: the offload plan (order, prefetch depth, keep/recompute per block).
         optimizer: hyper-parameters.
         reduce: gradient reduction hook, called before each block's update.
-        chunk_numel: elements per chunk of a disk-tier update (staged bytes: 4 x this x
-            (2 + optimizer-state vectors): master weights, state, one temporary).
         owned: the block indices whose optimizer update this process runs (ZeRO-1: another
             rank updates the others and broadcasts their weights, :mod:`edgeadapt.server.zero`);
             ``None``: every block.
@@ -144,12 +144,11 @@ class StreamingExecutor:
 
     def __init__(self, blocks: list[Block], store: StateStore, ledger: MemoryLedger, device: torch.device,
                  plan: Plan, optimizer: OptimizerConfig, reduce: ReduceFn | None = None,
-                 chunk_numel: int = 1 << 18, owned=None):
+                 owned=None):
         self.store, self.ledger, self.device, self.optimizer = store, ledger, device, optimizer
         self.reduce: ReduceFn = reduce or _no_reduce
         self.owned = None if owned is None else frozenset(owned)
         self.lr = optimizer.lr
-        self.chunk_numel = int(chunk_numel)
         self.slots: list[BlockSlot] = []
         for i, b in enumerate(blocks):
             shapes = tuple(p.shape for p in b.parameters())
@@ -175,11 +174,15 @@ class StreamingExecutor:
         self._ran: set[int] = set()
         self._act_keys: dict[int, set[int]] = {}
         self._anchor = torch.zeros((), requires_grad=True)
+        self.micro, self.micro_count = 0, 1
 
     # ---- setup ------------------------------------------------------------------------
     def set_plan(self, plan: Plan) -> None:
-        """Adopt a (re-)plan: order, prefetch depth and keep/recompute per block."""
+        """Adopt a (re-)plan: order, prefetch depth, keep/recompute per block and the update chunk
+        (:attr:`chunk_numel`: elements per chunk of a staged update; staged bytes: 4 x this x
+        (2 + optimizer-state vectors): master weights, state, one temporary)."""
         self.plan = plan
+        self.chunk_numel = int(plan.update_chunk_numel or DEFAULT_CHUNK_NUMEL)
         order = [self._by_name[n].index for n in plan.order] if plan.order else [s.index for s in self.slots]
         order = [i for i in order if not self.slots[i].resident]
         self.schedule = order + order[::-1]
@@ -376,7 +379,16 @@ class StreamingExecutor:
             return len(self.schedule)
 
     # ---- the step ---------------------------------------------------------------------------
-    def begin_step(self) -> None:
+    def begin_step(self, *, micro: int = 0, micro_count: int = 1) -> None:
+        """Start a forward/backward: micro-batch ``micro`` of ``micro_count`` in the step. Each block's
+        gradients are summed over a step's micro-batches in the store (:data:`ACCUMULATOR`) and the
+        block is updated after the last one."""
+        if not 0 <= micro < micro_count:
+            raise ValueError(f"micro-batch {micro} of {micro_count}")
+        self.micro, self.micro_count = micro, micro_count
+        if micro == 0:
+            for s in self.slots:
+                s.accumulated = set()
         self._ran.clear()
         self._act_keys.clear()
         self._act_ptrs = {}
@@ -452,7 +464,8 @@ class StreamingExecutor:
             return self._originals[slot.index](*args, **kwargs)
 
     def update(self, slot: BlockSlot, grads: list[torch.Tensor | None]) -> None:
-        """Reduce ``grads`` and hand the block's optimizer update to the update thread.
+        """Reduce ``grads`` and hand the block's optimizer update (or, before the last micro-batch
+        of a step, the accumulation of its gradients) to the update thread.
 
         The reduction (a collective when a process group is set) and the copy of the gradients
         off a GPU run on the calling thread, in block order; the update itself runs on one
@@ -464,6 +477,7 @@ class StreamingExecutor:
         """
         present = [i for i, g in enumerate(grads) if g is not None]
         gl = [grads[i] for i in present]
+        final = self.micro == self.micro_count - 1
         try:
             self.reduce(slot.name, gl)
             if not self.owns(slot.index):
@@ -478,58 +492,99 @@ class StreamingExecutor:
         except BaseException:
             self.ledger.release(f"grads:{slot.name}")
             raise
-        for i in present:
-            slot.steps[i] += 1
-        steps = [slot.steps[i] for i in present]
+        had = frozenset(slot.accumulated)
+        if final:
+            for i in sorted(set(present) | had):
+                slot.steps[i] += 1
+        else:
+            slot.accumulated |= set(present)
         self.wait_updates()  # at most one update in flight: the planner counts one block's gradients
-        self._pending.append(self._updater.submit(self._apply, slot, present, gl, steps))
+        self._pending.append(self._updater.submit(self._apply, slot, present, gl, had, final))
 
-    def _apply(self, slot: BlockSlot, present: list[int], gl: list[torch.Tensor], steps: list[int]) -> None:
-        """The optimizer update of one block (update thread).
+    def _apply(self, slot: BlockSlot, present: list[int], gl: list[torch.Tensor], had: frozenset[int],
+               final: bool) -> None:
+        """The optimizer update of one block, or the accumulation of its gradients (update thread).
 
-        Host tier: in place on the master tensors. Disk tier: in chunks of
-        :attr:`chunk_numel` elements (master weights and optimizer state read, updated and
-        written back a chunk at a time; the update is elementwise, so chunking changes no bit).
+        ``had``: the parameters whose gradients earlier micro-batches of this step accumulated.
+        The accumulator holds ``g1``, then ``g1 + g2``, ...; the last micro-batch's gradient is
+        added to it and the sum updates the block (the order of torch's own ``p.grad``
+        accumulation). Host tier: in place on the master tensors. Disk tier: in chunks of
+        :attr:`chunk_numel` elements (read, updated and written back a chunk at a time; the
+        update is elementwise, so chunking changes no bit).
         """
         try:
-            self._apply_update(slot, present, gl, steps)
+            if self.store.in_place():
+                self._apply_in_place(slot, present, gl, had, final)
+            else:
+                self._apply_chunked(slot, present, gl, had, final)
         finally:
             self.ledger.release(f"grads:{slot.name}")
 
-    def _apply_update(self, slot: BlockSlot, present: list[int], gl: list[torch.Tensor], steps: list[int]) -> None:
-        kinds = ("param", *self.optimizer.state_kinds)
-        if self.store.in_place():
-            views = {k: slot.views(self.store.read(slot.index, k)) for k in kinds}
-            update_block(self.optimizer, [views["param"][i] for i in present], gl,
-                         {k: [views[k][i] for i in present] for k in self.optimizer.state_kinds}, steps, lr=self.lr)
+    def _apply_in_place(self, slot: BlockSlot, present: list[int], gl: list[torch.Tensor], had: frozenset[int],
+                        final: bool) -> None:
+        grads = dict(zip(present, gl))
+        acc = slot.views(self.store.read(slot.index, ACCUMULATOR)) if had or not final else None
+        if not final:
+            for i, g in grads.items():
+                acc[i].add_(g) if i in had else acc[i].copy_(g)
             return
+        for i in had:
+            grads[i] = acc[i].add_(grads[i]) if i in grads else acc[i]
+        idx = sorted(grads)
+        views = {k: slot.views(self.store.read(slot.index, k)) for k in ("param", *self.optimizer.state_kinds)}
+        update_block(self.optimizer, [views["param"][i] for i in idx], [grads[i] for i in idx],
+                     {k: [views[k][i] for i in idx] for k in self.optimizer.state_kinds},
+                     [slot.steps[i] for i in idx], lr=self.lr)
+
+    def _apply_chunked(self, slot: BlockSlot, present: list[int], gl: list[torch.Tensor], had: frozenset[int],
+                       final: bool) -> None:
+        flat_grads = {i: g.reshape(-1) for i, g in zip(present, gl)}
+        kinds = ("param", *self.optimizer.state_kinds) if final else ()
         staged_here = self.device.type == "cpu"
-        flat_grads = [g.reshape(-1) for g in gl]
+        idx = sorted(set(flat_grads) | had)
         for a in range(0, slot.numel, self.chunk_numel):
             b = min(slot.numel, a + self.chunk_numel)
+            parts = [(i, max(a, slot.offsets[i]), min(b, slot.offsets[i] + slot.shapes[i].numel())) for i in idx]
+            parts = [(i, lo, hi) for i, lo, hi in parts if lo < hi]
+            if not parts:
+                continue
+            read_acc = any(i in had for i, _, _ in parts)
+            if not final and not read_acc:  # the first micro-batch's gradients go straight to the accumulator
+                for i, lo, hi in parts:
+                    o = slot.offsets[i]
+                    self.store.write_range(slot.index, ACCUMULATOR, lo, flat_grads[i][lo - o:hi - o])
+                continue
             if staged_here:
                 # the staged vectors plus one chunk-sized temporary of the foreach AdamW (its sqrt)
-                self.ledger.reserve(f"staging:{slot.name}", 4 * (b - a) * (len(kinds) + 1))
+                vectors = (len(kinds) + 1 if final else 0) + int(read_acc)
+                self.ledger.reserve(f"staging:{slot.name}", 4 * (b - a) * vectors)
             try:
-                futs = {k: self._io.submit(self.store.read_range, slot.index, k, a, b - a) for k in kinds}
+                reads = [*kinds, ACCUMULATOR] if read_acc else list(kinds)
+                futs = {k: self._io.submit(self.store.read_range, slot.index, k, a, b - a) for k in reads}
                 bufs = {k: f.result() for k, f in futs.items()}
                 pieces: dict[str, list[torch.Tensor]] = {k: [] for k in kinds}
                 gp, sp = [], []
-                for j, i in enumerate(present):
-                    o, n = slot.offsets[i], slot.shapes[i].numel()
-                    lo, hi = max(a, o), min(b, o + n)
-                    if lo >= hi:
-                        continue
+                for i, lo, hi in parts:
+                    o = slot.offsets[i]
+                    g = flat_grads[i][lo - o:hi - o] if i in flat_grads else None
+                    if i in had:
+                        acc = bufs[ACCUMULATOR][lo - a:hi - a]
+                        g = acc if g is None else acc.add_(g)
+                    elif not final:
+                        g = bufs[ACCUMULATOR][lo - a:hi - a].copy_(g)
                     for k in kinds:
                         pieces[k].append(bufs[k][lo - a:hi - a])
-                    gp.append(flat_grads[j][lo - o:hi - o])
-                    sp.append(steps[j])
-                if gp:
+                    gp.append(g)
+                    sp.append(slot.steps[i])
+                if not final:
+                    writes = {ACCUMULATOR: bufs[ACCUMULATOR]}
+                else:
                     update_block(self.optimizer, pieces["param"], gp,
                                  {k: pieces[k] for k in self.optimizer.state_kinds}, sp, lr=self.lr)
-                    for f in [self._io.submit(self.store.write_range, slot.index, k, a, bufs[k]) for k in kinds]:
-                        f.result()
-                del bufs, pieces
+                    writes = {k: bufs[k] for k in kinds}
+                for f in [self._io.submit(self.store.write_range, slot.index, k, a, v) for k, v in writes.items()]:
+                    f.result()
+                del bufs, pieces, gp
             finally:
                 self.ledger.release(f"staging:{slot.name}")
 

@@ -9,6 +9,11 @@ what keeps the state out of RAM is the design, not the page cache.
 
 With optimizer-state sharding (ZeRO-1, :mod:`edgeadapt.server.zero`) a store holds ``param``
 for every block but the optimizer's kinds only for ``state_blocks``, the blocks this rank owns.
+
+A step split into micro-batches sums each block's gradients over them in the kind
+:data:`ACCUMULATOR`, added by :meth:`StateStore.add_accumulators` the first time a plan needs
+it: beside the master weights, in the same tier (host memory or a file), never in the compute
+tier.
 """
 
 from __future__ import annotations
@@ -24,11 +29,14 @@ import torch
 
 from ..sched.plan import format_bytes
 
-__all__ = ["StateStore", "HostStore", "DiskStore", "OffloadDirError", "KINDS"]
+__all__ = ["StateStore", "HostStore", "DiskStore", "OffloadDirError", "KINDS", "ACCUMULATOR"]
 
 log = logging.getLogger(__name__)
 
 KINDS = ("param", "exp_avg", "exp_avg_sq")
+
+ACCUMULATOR = "grad_acc"
+"""The kind holding a block's gradients summed over the micro-batches of a step."""
 
 
 class OffloadDirError(OSError):
@@ -66,8 +74,19 @@ class StateStore:
 
     @property
     def optimizer_state_bytes(self) -> int:
-        """Bytes of optimizer state (every kind but ``param``) held here."""
-        return sum(4 * self.numels[b] for b, k in self._held() if k != "param")
+        """Bytes of optimizer state (every kind but ``param`` and the gradient accumulators) held here."""
+        return sum(4 * self.numels[b] for b, k in self._held() if k not in ("param", ACCUMULATOR))
+
+    def add_accumulators(self) -> None:
+        """Hold the kind :data:`ACCUMULATOR` from now on (no-op when held already)."""
+        if ACCUMULATOR in self.kinds:
+            return
+        self.kinds = (*self.kinds, ACCUMULATOR)
+        self._allocate([(b, ACCUMULATOR) for b in range(len(self.numels)) if self.holds(b, ACCUMULATOR)])
+
+    def _allocate(self, keys: list[tuple[int, str]]) -> None:
+        """Make room for the vectors ``keys`` (``(block, kind)``)."""
+        raise NotImplementedError
 
     def read(self, block: int, kind: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """The flat vector; ``out`` (float32, right size) receives it when given."""
@@ -112,8 +131,13 @@ class HostStore(StateStore):
 
     def __init__(self, numels: list[int], kinds: tuple[str, ...], *, pin: bool = False, state_blocks=None):
         super().__init__(numels, kinds, state_blocks)
-        self._t = {(b, k): torch.zeros(self.numels[b], dtype=torch.float32, pin_memory=pin)
-                   for b, k in self._held()}
+        self._pin = pin
+        self._t: dict[tuple[int, str], torch.Tensor] = {}
+        self._allocate(self._held())
+
+    def _allocate(self, keys: list[tuple[int, str]]) -> None:
+        for b, k in keys:
+            self._t[(b, k)] = torch.zeros(self.numels[b], dtype=torch.float32, pin_memory=self._pin)
 
     def read(self, block: int, kind: str, out: torch.Tensor | None = None) -> torch.Tensor:
         t = self._t[(block, kind)]
@@ -140,10 +164,10 @@ def _bytes_view(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
-def _drop_cache(fd: int) -> None:
+def _drop_cache(fd: int, offset: int = 0, length: int = 0) -> None:
     if hasattr(os, "posix_fadvise"):
         try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
         except OSError:  # some filesystems do not support the advice; it is only advice
             pass
 
@@ -182,6 +206,11 @@ def check_offload_dir(path: Path, need_bytes: int) -> None:
 class DiskStore(StateStore):
     """State in files ``<dir>/<block index>.<kind>.f32`` (raw little-endian float32).
 
+    Each file is created at its full size up front (``posix_fallocate`` where available, so a
+    full disk fails at the start, not mid-step) and kept open for the run; reads and writes go
+    straight between the file and the caller's tensor (``preadv``/``pwrite``, no intermediate
+    buffer), and after each the kernel is advised to drop the file's pages.
+
     Args:
         numels: element count per block.
         kinds: stored kinds.
@@ -196,56 +225,65 @@ class DiskStore(StateStore):
         super().__init__(numels, kinds, state_blocks)
         self.directory = Path(directory)
         check_offload_dir(self.directory, self.total_bytes)
-        self._paths = {(b, k): self.directory / f"{b:05d}.{k}.f32" for b, k in self._held()}
+        self._paths: dict[tuple[int, str], Path] = {}
+        self._fds: dict[tuple[int, str], int] = {}
+        self._allocate(self._held())
+
+    def _allocate(self, keys: list[tuple[int, str]]) -> None:
+        for b, k in keys:
+            path = self.directory / f"{b:05d}.{k}.f32"
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            self._paths[(b, k)], self._fds[(b, k)] = path, fd
+            nbytes = 4 * self.numels[b]
+            try:
+                if hasattr(os, "posix_fallocate") and nbytes:
+                    os.posix_fallocate(fd, 0, nbytes)
+                else:
+                    os.ftruncate(fd, nbytes)
+            except OSError as e:
+                if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):  # a filesystem without fallocate
+                    os.ftruncate(fd, nbytes)
+                else:
+                    raise OffloadDirError(e.errno or errno.EIO, f"cannot allocate {format_bytes(nbytes)} for {path} "
+                                          f"({e.strerror or e}); free space or choose another offload_dir") from None
 
     def read(self, block: int, kind: str, out: torch.Tensor | None = None) -> torch.Tensor:
-        n = self.numels[block]
-        if out is None:
-            out = torch.empty(n, dtype=torch.float32)
-        with open(self._paths[(block, kind)], "rb", buffering=0) as f:
-            got = f.readinto(_bytes_view(out))
-            _drop_cache(f.fileno())
-        if got != 4 * n:
-            raise OSError(errno.EIO, f"{self._paths[(block, kind)]} holds {got} bytes, expected {4 * n}; the "
-                          "offload folder was changed while training")
-        return out
+        return self.read_range(block, kind, 0, self.numels[block], out=out)
 
     def read_range(self, block: int, kind: str, start: int, count: int,
                    out: torch.Tensor | None = None) -> torch.Tensor:
         if out is None:
             out = torch.empty(count, dtype=torch.float32)
-        fd = os.open(self._paths[(block, kind)], os.O_RDONLY)
-        try:
-            got = os.preadv(fd, [_bytes_view(out)], 4 * start)
-            os.posix_fadvise(fd, 4 * start, 4 * count, os.POSIX_FADV_DONTNEED) if hasattr(os, "posix_fadvise") else None
-        finally:
-            os.close(fd)
-        if got != 4 * count:
-            raise OSError(errno.EIO, f"{self._paths[(block, kind)]} is shorter than expected; the offload folder "
-                          "was changed while training")
+        fd = self._fds[(block, kind)]
+        mv, pos = _bytes_view(out), 4 * start
+        while mv:
+            got = os.preadv(fd, [mv], pos)
+            if got == 0:
+                raise OSError(errno.EIO, f"{self._paths[(block, kind)]} is shorter than expected; the offload folder "
+                              "was changed while training")
+            mv, pos = mv[got:], pos + got
+        _drop_cache(fd, 4 * start, 4 * count)
         return out
 
     def write_range(self, block: int, kind: str, start: int, values: torch.Tensor) -> None:
         values = values.detach().contiguous()
-        fd = os.open(self._paths[(block, kind)], os.O_WRONLY)
-        try:
-            mv, pos = _bytes_view(values), 4 * start
-            while mv:
-                n = os.pwrite(fd, mv, pos)
-                mv, pos = mv[n:], pos + n
-            _drop_cache(fd)
-        finally:
-            os.close(fd)
+        fd = self._fds[(block, kind)]
+        mv, pos = _bytes_view(values), 4 * start
+        while mv:
+            n = os.pwrite(fd, mv, pos)
+            mv, pos = mv[n:], pos + n
+        _drop_cache(fd, 4 * start, 4 * values.numel())
 
     def write(self, block: int, kind: str, flat: torch.Tensor) -> None:
-        flat = flat.detach().contiguous()
-        with open(self._paths[(block, kind)], "wb", buffering=0) as f:
-            mv = _bytes_view(flat)
-            while mv:
-                mv = mv[f.write(mv):]
-            _drop_cache(f.fileno())
+        self.write_range(block, kind, 0, flat)
 
     def close(self) -> None:
+        for fd in self._fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds.clear()
         for p in self._paths.values():
             try:
                 p.unlink()

@@ -106,7 +106,8 @@ class Trainer:
         offload: ``"host"``, ``"disk"`` or ``None`` (train in memory).
         offload_dir: the disk tier's folder (required for ``"disk"``).
         device: ``"auto"``, ``"cpu"`` or ``"cuda"``.
-        recompute: ``False``, ``True`` or ``"auto"`` (recompute only what the budget needs).
+        recompute: ``"auto"`` (default: the planner recomputes only what the budget needs),
+            ``False`` (never) or ``True`` (every block).
         process_group: a ``torch.distributed`` group to average gradients over.
         shard_optimizer_state: ZeRO-1 (needs ``offload="host"`` or ``"disk"``): each rank of
             ``process_group`` keeps the optimizer state of, and updates, only the blocks
@@ -115,9 +116,16 @@ class Trainer:
             ``False`` (default): every rank keeps all state and runs every update.
         example_input: one batch (or tuple of inputs) to trace the model; the first
             :meth:`step` batch is used when omitted.
-        prefetch_depth: blocks brought in ahead of use (lowered by the planner if needed).
+        prefetch_depth: the deepest prefetch (blocks brought in ahead of use); the planner
+            lowers it when a deeper one does not fit.
         update_chunk_numel: the disk tier updates master weights and optimizer state this many
-            elements at a time (bounds the staged bytes; the result does not depend on it).
+            elements at a time (bounds the staged bytes; the result does not depend on it);
+            ``None`` (default): chosen by the planner.
+        max_micro_batches: the most micro-batches the planner may split a step into when a whole
+            batch does not fit (gradients accumulated per block in the state's tier, one update
+            after the last; see :meth:`step`); ``None`` (default): up to one window each; 1: never.
+            Models with BatchNorm and data-parallel runs always take whole batches (batch
+            statistics and the per-block reduction are per batch).
         malloc_mmap_threshold_bytes: with offload, fix glibc's mmap threshold at this size so
             that freed blocks return to the OS and the process peak follows the tracked peak
             (process-wide; see :mod:`edgeadapt.server.allocator`); ``None`` leaves malloc alone.
@@ -131,9 +139,9 @@ class Trainer:
     def __init__(self, model: nn.Module, loss: str | Callable = "cross_entropy", optimizer=None, *,
                  memory_budget: int | str | None = None, offload: str | None = "host",
                  offload_dir: str | os.PathLike | None = None, device: str = "auto",
-                 recompute: bool | str = False, process_group=None, example_input=None, prefetch_depth: int = 1,
-                 update_chunk_numel: int = 1 << 18, malloc_mmap_threshold_bytes: int | None = 1 << 18,
-                 shard_optimizer_state: bool = False):
+                 recompute: bool | str = "auto", process_group=None, example_input=None, prefetch_depth: int = 1,
+                 update_chunk_numel: int | None = None, malloc_mmap_threshold_bytes: int | None = 1 << 18,
+                 shard_optimizer_state: bool = False, max_micro_batches: int | None = None):
         if offload not in ("host", "disk", None):
             raise ValueError(f"offload must be 'host', 'disk' or None, got {offload!r}")
         if shard_optimizer_state and offload is None:
@@ -141,6 +149,8 @@ class Trainer:
                              "use offload='host' or 'disk' (--offload host|disk)")
         if recompute not in (False, True, "auto"):
             raise ValueError(f"recompute must be False, True or 'auto', got {recompute!r}")
+        if max_micro_batches is not None and int(max_micro_batches) < 1:
+            raise ValueError(f"max_micro_batches must be >= 1 (or None), got {max_micro_batches}")
         if offload == "disk" and offload_dir is None:
             raise ValueError("offload='disk' needs offload_dir, the folder for the state files")
         self.device = resolve_device(device)
@@ -152,7 +162,9 @@ class Trainer:
         else:
             self.loss_name, self.loss_fn = getattr(loss, "__name__", "custom"), loss
         self.offload, self.recompute, self.prefetch_depth = offload, recompute, int(prefetch_depth)
-        self.chunk_numel = int(update_chunk_numel)
+        if update_chunk_numel is not None and int(update_chunk_numel) < 1:
+            raise ValueError(f"update_chunk_numel must be >= 1, got {update_chunk_numel}")
+        self.chunk_numel = None if update_chunk_numel is None else int(update_chunk_numel)
         if offload is not None and malloc_mmap_threshold_bytes is not None:
             set_mmap_threshold(malloc_mmap_threshold_bytes)
         self.budget_bytes = None if memory_budget is None else parse_bytes(memory_budget)
@@ -173,6 +185,8 @@ class Trainer:
             raise TypeError(f"parameters {bad[:4]} are not float32; the trainer keeps float32 master weights "
                             "(convert with model.float())")
         self.param_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        whole = process_group is not None or any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+        self.max_micro_batches = 1 if whole else max_micro_batches
         self._model = model
         self._graph: Graph | None = None
         self._plans: dict[int, Plan] = {}
@@ -223,7 +237,7 @@ class Trainer:
             self.executor = StreamingExecutor(self.blocks, self.store, self.ledger, self.device,
                                               self._plans.get(self._first_batch(), None) or self._default_plan(),
                                               self.spec, reduce=lambda name, grads: self._reduce(name, grads),
-                                              chunk_numel=self.chunk_numel, owned=owned)
+                                              owned=owned)
             self.executor.load_weights(dict(model.named_parameters()))
             self.executor.install()
             for mod in model.modules():
@@ -249,13 +263,15 @@ class Trainer:
         if batch not in self._plans:
             self._plans[batch] = plan_offload(
                 self._graph, self.budget_bytes or 2**62, batch_windows=batch, tier=self.offload,
-                optimizer=self.spec.name, recompute="auto" if self.recompute == "auto" else bool(self.recompute),
+                optimizer=self.spec.name, recompute=self.recompute,
                 prefetch_depth=self.prefetch_depth, resident_bytes=self.buffer_bytes,
                 staging=self.offload == "disk" and self.device.type == "cpu",
-                staging_chunk_bytes=4 * self.chunk_numel)
+                staging_chunk_bytes=None if self.chunk_numel is None else 4 * self.chunk_numel,
+                max_micro_batches=batch if self.max_micro_batches is None else min(batch, self.max_micro_batches))
             p = self._plans[batch]
-            log.info("offload plan for %d windows: predicted peak %s at %s, prefetch %d, recompute %s",
-                     batch, format_bytes(p.predicted.peak_bytes), p.predicted.where, p.prefetch_depth,
+            log.info("offload plan for %d windows: predicted peak %s at %s, prefetch %d, update chunk %d, "
+                     "micro-batches of %d, recompute %s", batch, format_bytes(p.predicted.peak_bytes),
+                     p.predicted.where, p.prefetch_depth, p.update_chunk_numel, p.micro_batch_windows,
                      list(p.recomputed))
         return self._plans[batch]
 
@@ -280,6 +296,12 @@ class Trainer:
     def step(self, x, y) -> float:
         """One optimizer step on the batch ``(x, y)``; returns the loss (before the update).
 
+        When the plan splits the batch into micro-batches, each runs its forward and backward
+        with its loss weighted by its share of the windows (the loss is taken to be a mean over
+        windows, as the built-in ones are), each block's gradients are summed over them in the
+        state's tier, and each block is updated once, after the last micro-batch's backward.
+        The returned loss is the sum of the weighted micro-batch losses.
+
         Raises:
             FloatingPointError: the loss is NaN or infinite (no update applied).
             BudgetExceeded: this batch size does not fit the budget.
@@ -292,14 +314,37 @@ class Trainer:
             with self.executor.uninstalled() if self.executor is not None else contextlib.nullcontext():
                 self._graph = trace_graph(self._model, x, self.blocks, param_shapes=self.param_shapes)
         in_bytes = sum(t.numel() * t.element_size() for t in xs) + y.numel() * y.element_size()
-        outside: list[torch.Tensor] = []
-        ex = self.executor
-        if ex is not None:
-            ex.set_plan(self._plan_for(batch))
+        plan = self._plan_for(batch)
+        micro = plan.micro_batch_windows if plan is not None else batch
+        parts = [(a, min(batch, a + micro)) for a in range(0, batch, micro)]
+        if self.executor is not None:
+            self.executor.set_plan(plan)
+            if len(parts) > 1:
+                self.store.add_accumulators()
         self.ledger.reserve("input", in_bytes)
         try:
+            if len(parts) == 1:
+                value = self._forward_backward(x, xs, y, None, 0, 1)
+            else:
+                value = 0.0
+                for i, (a, b) in enumerate(parts):
+                    sub = [t[a:b] for t in xs]
+                    value += self._forward_backward(sub[0] if isinstance(x, torch.Tensor) else type(x)(sub), sub,
+                                                    y[a:b], (b - a) / batch, i, len(parts))
+        finally:
+            self.ledger.release("input")
+        self.step_count += 1
+        return value
+
+    def _forward_backward(self, x, xs: list[torch.Tensor], y: torch.Tensor, scale: float | None, micro: int,
+                          micro_count: int) -> float:
+        """The forward and backward of one (micro-)batch, and with the last one the update; returns its
+        (weighted) loss."""
+        outside: list[torch.Tensor] = []
+        ex = self.executor
+        try:
             if ex is not None:
-                ex.begin_step()
+                ex.begin_step(micro=micro, micro_count=micro_count)
 
             def pack(t):
                 outside.append(t)
@@ -308,6 +353,8 @@ class Trainer:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = self._model(*xs) if isinstance(x, (tuple, list)) else self._model(x)
                 loss = self.loss_fn(out, y)
+                if scale is not None:
+                    loss = loss * scale
             if ex is not None:
                 ex.charge_activations("outside", outside + _tensors(out) + [loss])
             else:
@@ -341,8 +388,6 @@ class Trainer:
             else:
                 self.ledger.release("grads")
                 self.ledger.release("activations")
-            self.ledger.release("input")
-        self.step_count += 1
         return value
 
     @torch.no_grad()

@@ -10,7 +10,7 @@ from server_helpers import make_cnn, make_mlp
 from torch import nn
 
 from edgeadapt.sched import Graph, Op, Param, Plan
-from edgeadapt.sched import BudgetExceeded
+from edgeadapt.sched import BudgetExceeded, NoFeasiblePlan
 from edgeadapt.sched.offload import BlockTooLarge, block_costs, offload_peak, plan_offload
 from edgeadapt.server import find_blocks, trace_graph
 
@@ -79,9 +79,14 @@ def test_block_too_large_names_it_with_bytes_and_budget():
     with pytest.raises(BlockTooLarge) as e:
         plan_offload(g, 10_000, tier="disk")
     assert e.value.block == "b0" and e.value.have_bytes == 10_000
-    # weights + grads + staged master, 2 moments and one temporary + the input window
-    assert e.value.need_bytes == 4096 * 2 + 4096 * 4 + 4
+    # the block alone: weights + grads + staged master, 2 moments and one temporary + the input window
+    alone = 4096 * 2 + 4096 * 4 + 4
     assert "'b0'" in str(e.value) and "9.77 KiB" in str(e.value) and "24.00 KiB" in str(e.value)
+    # need_bytes is the smallest budget at which a plan exists (the block alone plus the backward's neighbours)
+    assert e.value.need_bytes >= alone and f"{e.value.need_bytes} bytes" in str(e.value)
+    assert plan_offload(g, e.value.need_bytes, tier="disk").predicted.peak_bytes == e.value.need_bytes
+    with pytest.raises(NoFeasiblePlan):  # the block alone fits there; the neighbours' bytes do not
+        plan_offload(g, e.value.need_bytes - 1, tier="disk")
     # the same budget holds the block when the update stages 1 KiB chunks
     plan_offload(g, 18_000, tier="disk", staging_chunk_bytes=1024, prefetch_depth=0)
 

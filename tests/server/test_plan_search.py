@@ -1,0 +1,226 @@
+"""The offload planner searches its knobs (recompute per block, update chunk, prefetch depth,
+micro-batches) and refuses only below the smallest budget any combination fits, which it names.
+
+Training under a searched plan is compared with plain in-memory torch AdamW: bit for bit for
+one batch per step; with micro-batches, bit for bit against torch accumulating the same
+micro-batches' gradients in the same order (``p.grad`` summed micro-batch after micro-batch),
+and within a tolerance derived from the summation order against the full batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from server_helpers import reference_train
+from torch import nn
+
+from edgeadapt.sched import Graph, NoFeasiblePlan, Op, Param
+from edgeadapt.sched.offload import (CHUNK_CANDIDATES_NUMEL, block_costs, micro_batch_sizes, offload_peak,
+                                     plan_offload)
+from edgeadapt.server import Trainer, trace_graph
+
+
+class PreNormBlock(nn.Module):
+    """x + fc2(gelu(fc1(layer_norm(x)))): a pre-norm residual MLP block (no random numbers)."""
+
+    def __init__(self, width: int, hidden: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, hidden)
+        self.fc2 = nn.Linear(hidden, width)
+
+    def forward(self, x):
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+class PreNormMLP(nn.Module):
+    def __init__(self, d_in=24, width=64, hidden=256, depth=16, n_classes=7):
+        super().__init__()
+        self.proj = nn.Linear(d_in, width)
+        self.layers = nn.ModuleList(PreNormBlock(width, hidden) for _ in range(depth))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, n_classes)
+
+    def forward(self, x):
+        x = self.proj(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def make_prenorm(seed: int = 0) -> PreNormMLP:
+    torch.manual_seed(seed)
+    return PreNormMLP()
+
+
+def prenorm_batches(n: int, batch: int = 32, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 24, generator=g), torch.randint(0, 7, (batch,), generator=g)) for _ in range(n)]
+
+
+def state_bytes(model: nn.Module) -> int:
+    """Weights + gradients + two AdamW moments, float32."""
+    return 16 * sum(p.numel() for p in model.parameters())
+
+
+def _graph(saved: list[int], weight_numel: int = 2048, out: int = 64) -> Graph:
+    n = len(saved)
+    params = [Param(f"b{i}.w", (weight_numel,)) for i in range(n)]
+    ops = [Op(f"b{i}", "block", params=(f"b{i}.w",), inputs=() if i == 0 else (f"b{i - 1}",), output_bytes=out,
+              saved_bytes=s, workspace_bytes=out) for i, s in enumerate(saved)]
+    return Graph(tuple(ops), tuple(params), input_bytes=out, name="g")
+
+
+def _brute_force_minimum(g: Graph, batch: int, max_micro: int, depth: int, tier: str = "disk") -> int:
+    """The least peak over every combination: each recompute subset, prefetch, chunk and micro-batch."""
+    largest = max(g.param(p).param_bytes // 4 for op in g.ops for p in op.params)
+    chunks = sorted({min(c, largest) for c in CHUNK_CANDIDATES_NUMEL})
+    best = None
+    for mb in micro_batch_sizes(batch, max_micro):
+        for chunk in chunks:
+            costs = block_costs(g, mb, staging=tier == "disk", staging_chunk_bytes=4 * chunk, accumulate=mb < batch)
+            for d in range(depth + 1):
+                for rec in itertools.product((False, True), repeat=len(costs)):
+                    peak = offload_peak(costs, list(rec), d, fixed_bytes=g.input_bytes * batch).peak_bytes
+                    best = peak if best is None else min(best, peak)
+    return best
+
+
+def test_refusal_names_the_least_budget_over_every_combination():
+    g = _graph([3000, 12000, 500, 8000], weight_numel=4096)
+    least = _brute_force_minimum(g, batch=4, max_micro=4, depth=2)
+    with pytest.raises(NoFeasiblePlan) as e:
+        plan_offload(g, least // 2, batch_windows=4, tier="disk", prefetch_depth=2, max_micro_batches=4)
+    assert e.value.need_bytes == least and f"{least} bytes" in str(e.value)
+    plan = plan_offload(g, least, batch_windows=4, tier="disk", prefetch_depth=2, max_micro_batches=4)
+    assert plan.predicted.peak_bytes <= least
+    with pytest.raises(NoFeasiblePlan):
+        plan_offload(g, least - 1, batch_windows=4, tier="disk", prefetch_depth=2, max_micro_batches=4)
+
+
+def test_every_budget_from_the_least_up_finds_a_plan_that_fits():
+    g = _graph([3000, 12000, 500, 8000], weight_numel=4096)
+    least = _brute_force_minimum(g, batch=4, max_micro=4, depth=2)
+    roomy = plan_offload(g, 10**9, batch_windows=4, tier="disk", prefetch_depth=2, max_micro_batches=4)
+    for budget in range(least, roomy.predicted.peak_bytes + 1, 997):
+        plan = plan_offload(g, budget, batch_windows=4, tier="disk", prefetch_depth=2, max_micro_batches=4)
+        costs = block_costs(g, plan.micro_batch_windows, staging=True, staging_chunk_bytes=4 * plan.update_chunk_numel,
+                            accumulate=plan.micro_batch_windows < 4)
+        rec = [plan.action(c.name).value == "recompute" for c in costs]
+        # the plan's own numbers re-derived: it fits
+        assert offload_peak(costs, rec, plan.prefetch_depth, fixed_bytes=g.input_bytes * 4) == plan.predicted
+        assert plan.predicted.peak_bytes <= budget
+
+
+def test_preference_order_whole_batch_then_chunk_then_prefetch_then_recompute():
+    g = _graph([3000, 12000, 500, 8000], weight_numel=1 << 16)
+    roomy = plan_offload(g, 10**9, batch_windows=4, tier="disk", prefetch_depth=2, max_micro_batches=4)
+    assert (roomy.micro_batch_windows, roomy.prefetch_depth, roomy.recomputed) == (4, 2, ())
+    assert roomy.update_chunk_numel == 1 << 16  # the whole block
+    # a budget that needs something: the chunk shrinks before anything else gives way
+    tighter = plan_offload(g, roomy.predicted.peak_bytes - 1, batch_windows=4, tier="disk", prefetch_depth=2,
+                           max_micro_batches=4)
+    assert tighter.update_chunk_numel < 1 << 16
+    assert (tighter.micro_batch_windows, tighter.prefetch_depth, tighter.recomputed) == (4, 2, ())
+    # the host tier stages nothing in the compute tier: activations give way, recompute first
+    host = plan_offload(g, 10**9, batch_windows=4, tier="host", prefetch_depth=1, max_micro_batches=4)
+    costs = block_costs(g, 4)
+    keep = offload_peak(costs, [False] * 4, 1, fixed_bytes=g.input_bytes * 4).peak_bytes
+    p = plan_offload(g, keep - 1, batch_windows=4, tier="host", prefetch_depth=1, max_micro_batches=4)
+    assert host.recomputed == () and p.recomputed and p.prefetch_depth == 1 and p.micro_batch_windows == 4
+    # the least recomputed bytes: one block, and the one block with fewer saved bytes would not fit
+    assert p.recomputed == ("b0",)
+    assert offload_peak(costs, [False, False, True, False], 1, fixed_bytes=g.input_bytes * 4).peak_bytes > keep - 1
+
+
+def test_micro_batches_only_when_a_whole_batch_cannot_fit():
+    g = _graph([40000, 40000, 40000], weight_numel=256)
+    whole = _brute_force_minimum(g, batch=8, max_micro=1, depth=0, tier="host")
+    with pytest.raises(NoFeasiblePlan):
+        plan_offload(g, whole - 1, batch_windows=8, tier="host")
+    plan = plan_offload(g, whole - 1, batch_windows=8, tier="host", max_micro_batches=8)
+    assert plan.micro_batch_windows < 8 and plan.predicted.peak_bytes <= whole - 1
+    # the fewest micro-batches that fit
+    bigger = [m for m in micro_batch_sizes(8, 8) if m > plan.micro_batch_windows]
+    for m in bigger:  # even with every block recomputed and no prefetch a larger micro-batch does not fit
+        costs = block_costs(g, m, accumulate=True)
+        assert offload_peak(costs, [True] * 3, 0, fixed_bytes=g.input_bytes * 8).peak_bytes > whole - 1
+
+
+@pytest.mark.parametrize("offload", ["disk", "host"])
+def test_prenorm_mlp_at_an_eighth_of_its_state_trains_bit_identically(offload, adamw, tmp_path):
+    data = prenorm_batches(3)
+    ref = reference_train(make_prenorm(), data)
+    model = make_prenorm()
+    budget = state_bytes(model) // 8
+    t = Trainer(model, optimizer=adamw, memory_budget=budget, offload=offload, offload_dir=tmp_path / "state",
+                device="cpu", example_input=data[0][0])      # recompute="auto" and the chunk: the planner's
+    for x, y in data:
+        t.step(x, y)
+    plan = t.plan
+    assert plan.predicted.peak_bytes <= budget and plan.micro_batch_windows == 32
+    assert 0 < t.tracked_peak_bytes <= budget
+    got, want = t.model().state_dict(), ref.state_dict()
+    for k in want:
+        assert torch.equal(got[k], want[k]), f"{k} differs by {(got[k] - want[k]).abs().max()}"
+    t.close()
+
+
+def test_refused_budget_names_one_at_which_the_trainer_then_trains(adamw, tmp_path):
+    data = prenorm_batches(1)
+    model = make_prenorm()
+    graph = trace_graph(model, data[0][0])
+    with pytest.raises(NoFeasiblePlan) as e:
+        Trainer(make_prenorm(), optimizer=adamw, memory_budget=state_bytes(model) // 64, offload="disk",
+                offload_dir=tmp_path / "a", device="cpu", example_input=data[0][0], max_micro_batches=1)
+    need = e.value.need_bytes
+    assert f"{need} bytes" in str(e.value)
+    with pytest.raises(NoFeasiblePlan):
+        Trainer(make_prenorm(), optimizer=adamw, memory_budget=need - 1, offload="disk", offload_dir=tmp_path / "b",
+                device="cpu", example_input=data[0][0], max_micro_batches=1)
+    t = Trainer(make_prenorm(), optimizer=adamw, memory_budget=need, offload="disk", offload_dir=tmp_path / "c",
+                device="cpu", example_input=data[0][0], max_micro_batches=1)
+    t.step(*data[0])
+    assert 0 < t.tracked_peak_bytes <= need
+    assert len(graph.ops) == 19
+    t.close()
+
+
+def reference_micro_batched(model: nn.Module, data, micro: int, *, lr=1e-2, weight_decay=0.1) -> nn.Module:
+    """In-memory torch AdamW(foreach) with each batch's gradients accumulated in ``p.grad`` over
+    micro-batches of ``micro`` windows, each loss weighted by its share of the batch."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, foreach=True)
+    for x, y in data:
+        opt.zero_grad()
+        for a in range(0, len(x), micro):
+            xb, yb = x[a:a + micro], y[a:a + micro]
+            (nn.functional.cross_entropy(model(xb), yb) * (len(xb) / len(x))).backward()
+        opt.step()
+    return model
+
+
+@pytest.mark.parametrize("offload", ["disk", "host"])
+def test_micro_batches_when_the_whole_batch_cannot_fit_accumulate_like_torch(offload, adamw, tmp_path):
+    """Bit for bit against torch summing the same micro-batches' gradients in the same order
+    (not against one whole batch: the sums are ordered differently)."""
+    data = prenorm_batches(2, batch=30)
+    graph = trace_graph(make_prenorm(), data[0][0])
+    with pytest.raises(NoFeasiblePlan) as e:
+        plan_offload(graph, 1, batch_windows=30, tier=offload, staging=offload == "disk")
+    budget = e.value.need_bytes - 1      # one byte below the least whole-batch plan
+    t = Trainer(make_prenorm(), optimizer=adamw, memory_budget=budget, offload=offload,
+                offload_dir=tmp_path / "state", device="cpu", example_input=data[0][0])
+    micro = t._plan_for(30).micro_batch_windows
+    assert micro < 30
+    losses = [t.step(x, y) for x, y in data]
+    assert 0 < t.tracked_peak_bytes <= budget
+    assert t.residency()["tiers"][offload] >= 4 * 4 * sum(p.numel() for p in make_prenorm().parameters())
+    ref = reference_micro_batched(make_prenorm(), data, micro)
+    got, want = t.model().state_dict(), ref.state_dict()
+    for k in want:
+        assert torch.equal(got[k], want[k]), f"{k} differs by {(got[k] - want[k]).abs().max()}"
+    assert all(map(math.isfinite, losses))
+    t.close()
