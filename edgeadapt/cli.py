@@ -104,7 +104,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     manifest = export_bundle(model, example, args.out, policy=policy, loss=args.loss, optimizer=opt,
                              batchnorm=args.batchnorm, memory_budget=args.memory_budget, n_windows=args.n_windows,
                              batch_windows=args.batch_windows, recompute=args.recompute,
-                             progress=not args.no_progress)
+                             progress=not args.no_progress, backend=args.backend)
     print(f"exported {args.out}: {manifest.trainable_numel:,} of {manifest.total_numel:,} parameter elements train")
     predicted = (manifest.plan or {}).get("predicted_peak_bytes")
     if predicted is not None:
@@ -319,6 +319,9 @@ def _add_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--d-model", type=int, default=None, help="GPT: width (default: the preset's)")
     p.add_argument("--vocab-size", type=int, default=None, help="GPT: vocabulary (default: the preset's)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--plan-only", action="store_true",
+                   help="print the offload plan (tiers, recompute per block, update chunk, prefetch, micro-batches, "
+                        "predicted peak) for --memory-budget and exit without training or writing anything")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -353,6 +356,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="frozen running statistics (default) or batch statistics during adaptation")
     p.add_argument("--batch-size", type=int, default=2, help="batch size of the example input used for tracing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar over the export's stages")
+    p.add_argument("--backend", choices=("auto", "portable", "ort-training", "both"), default="auto",
+                   help="training engines the bundle holds: portable (step graphs for stock onnxruntime), "
+                        "ort-training (onnxruntime-training artifacts) or both; auto (default): both where "
+                        "onnxruntime-training is installed, else portable")
     p.set_defaults(func=cmd_export, extra="server")
 
     p = sub.add_parser("inspect", help="what trains, how many bytes, versions, checksums")

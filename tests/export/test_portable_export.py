@@ -225,3 +225,18 @@ def test_export_without_onnxruntime_training_writes_portable_only(tmp_path):
     runner = Runner.load(tmp_path / "b", device="cpu")
     x, y = _data(BATCH)
     assert np.isfinite(runner.train_step(x, y))
+
+
+def test_cli_export_backend_portable(tmp_path, capsys):
+    from edgeadapt.cli import main
+
+    out = tmp_path / "b"
+    code = main(["export", "edgeadapt.models:build_model", "--factory-kwargs",
+                 '{"name": "cnn", "n_channels": 4, "n_classes": 3, "n_time_steps": 64}', "--input-shape", "4,64",
+                 "--out", str(out), "--backend", "portable", "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    m = read_manifest(out)
+    assert m.backends == ("portable",) and not {"training_model", "checkpoint"} & set(m.files)
+    with pytest.raises(SystemExit):
+        main(["export", "edgeadapt.models:build_model", "--input-shape", "4,64", "--out", str(tmp_path / "c"),
+              "--backend", "nonsense"])
