@@ -187,13 +187,48 @@ def _export_hint(run_dir: Path, spec: dict) -> str | None:
 
 
 # ---- the command ------------------------------------------------------------------------
+def _print_plan(args: argparse.Namespace, budget: int | None, echo) -> int:
+    """``--plan-only``: the plan of the first batch's size, printed; nothing trained or written."""
+    from .trainer import plan_training
+
+    if args.offload == "none":
+        raise ValueError("--plan-only plans the streaming trainer: give --offload host or disk")
+    ctx = DistContext()  # one process: the plan of one rank's share of the global batch
+    plan_args = argparse.Namespace(**{**vars(args), "hold_out_subject": None})  # writes no held-out files
+    model, source, _, _ = _build(plan_args, ctx)
+    example = source.batch(0)[0]
+    plan = plan_training(model, example, offload=args.offload, memory_budget=budget, device=_device(args, ctx),
+                         recompute={"on": True, "off": False}.get(args.recompute, "auto"))
+    state = 4 * sum(p.numel() for p in model.parameters())
+    n_blocks = len(plan.activations)
+    micro = plan.micro_batch_windows
+    echo(f"plan for {args.model}: {sum(p.numel() for p in model.parameters()):,} parameters, batch "
+         f"{plan.batch_windows}, budget {format_bytes(budget) if budget else 'none'}")
+    echo(f"  tiers: master weights and AdamW state on {args.offload} ({format_bytes(3 * state)}); "
+         f"blocks streamed through the compute tier under the budget")
+    echo("  micro-batches: none (whole batch)" if micro == plan.batch_windows else
+         f"  micro-batches: {math.ceil(plan.batch_windows / micro)} of up to {micro} windows, gradients summed on "
+         f"{args.offload}")
+    echo(f"  prefetch depth: {plan.prefetch_depth}")
+    echo(f"  update chunk: {plan.update_chunk_numel:,} elements")
+    echo(f"  recompute: {len(plan.recomputed)} of {n_blocks} blocks")
+    for name, action in plan.activations:
+        echo(f"    {name}: {action.value}")
+    echo(f"  predicted peak: {format_bytes(plan.predicted.peak_bytes)}"
+         + (f" of {format_bytes(budget)}" if budget else "") + f" at {plan.predicted.where}")
+    return 0
+
+
 def _residency_text(trainer) -> str:
     try:
         residency = trainer.residency()
     except (AttributeError, NotImplementedError):
         return ""
     per_tier = residency.get("tiers", {})
-    parts = [f"{tier} {format_bytes(int(b))}" for tier, b in per_tier.items() if isinstance(b, (int, np.integer))]
+    budget = getattr(trainer, "budget_bytes", None)
+    parts = [f"peak {format_bytes(trainer.tracked_peak_bytes)}" + (f" of {format_bytes(budget)}" if budget else "")]
+    parts += [f"{tier} {format_bytes(int(b))}" for tier, b in per_tier.items()
+              if tier != "compute" and isinstance(b, (int, np.integer))]
     if getattr(trainer, "shards_optimizer_state", False):
         sh = trainer.sharding
         parts.append(f"optimizer state {format_bytes(trainer.optimizer_state_bytes)} on rank {sh.rank} "
@@ -218,6 +253,8 @@ def cmd_train(args: argparse.Namespace, echo=print) -> int:
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
+    if getattr(args, "plan_only", False):
+        return _print_plan(args, budget, echo)
     run_dir = Path(args.checkpoint_dir)
     device_type = "cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu"
     ctx = init_from_env(device_type)

@@ -50,7 +50,7 @@ from .residency import MemoryLedger, Residency
 from .store import DiskStore, HostStore
 from .trace import Block, find_blocks, trace_graph
 
-__all__ = ["Trainer", "resolve_device", "LOSSES"]
+__all__ = ["Trainer", "resolve_device", "LOSSES", "offload_plan", "plan_training"]
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,49 @@ def _tensors(value) -> list[torch.Tensor]:
     if isinstance(value, (tuple, list)):
         return [t for v in value for t in _tensors(v)]
     return []
+
+
+def offload_plan(graph: Graph, batch: int, *, budget_bytes: int | None, offload: str, device: torch.device,
+                 optimizer: str = "adamw", recompute: bool | str = "auto", prefetch_depth: int = 1,
+                 buffer_bytes: int = 0, update_chunk_numel: int | None = None,
+                 max_micro_batches: int | None = None) -> Plan:
+    """The plan the :class:`Trainer` follows for steps of ``batch`` windows (its arguments of the
+    same names; ``graph`` from :func:`~edgeadapt.server.trace.trace_graph`); see
+    :func:`edgeadapt.sched.offload.plan_offload`.
+
+    Raises:
+        NoFeasiblePlan: no plan fits ``budget_bytes``; names the smallest budget that does.
+    """
+    plan = plan_offload(
+        graph, budget_bytes or 2**62, batch_windows=batch, tier=offload, optimizer=optimizer, recompute=recompute,
+        prefetch_depth=prefetch_depth, resident_bytes=buffer_bytes,
+        staging=offload == "disk" and device.type == "cpu",
+        staging_chunk_bytes=None if update_chunk_numel is None else 4 * update_chunk_numel,
+        max_micro_batches=batch if max_micro_batches is None else min(batch, max_micro_batches))
+    log.info("offload plan for %d windows: predicted peak %s at %s, prefetch %d, update chunk %d, "
+             "micro-batches of %d, recompute %s", batch, format_bytes(plan.predicted.peak_bytes),
+             plan.predicted.where, plan.prefetch_depth, plan.update_chunk_numel, plan.micro_batch_windows,
+             list(plan.recomputed))
+    return plan
+
+
+def plan_training(model: nn.Module, example_input, *, offload: str = "host", memory_budget: int | str | None = None,
+                  device: str = "auto", optimizer: str = "adamw", recompute: bool | str = "auto",
+                  prefetch_depth: int = 1, update_chunk_numel: int | None = None,
+                  max_micro_batches: int | None = None) -> Plan:
+    """The plan ``Trainer(model, ..., example_input=example_input)`` would follow, without building
+    the trainer (no state is written; the model is not changed)."""
+    if offload not in ("host", "disk"):
+        raise ValueError(f"a plan is made for offload 'host' or 'disk', got {offload!r}")
+    blocks = find_blocks(model)
+    whole = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    graph = trace_graph(model, example_input, blocks)
+    return offload_plan(graph, int(_tensors(example_input)[0].shape[0]),
+                        budget_bytes=None if memory_budget is None else parse_bytes(memory_budget),
+                        offload=offload, device=resolve_device(device), optimizer=optimizer, recompute=recompute,
+                        prefetch_depth=prefetch_depth,
+                        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
+                        update_chunk_numel=update_chunk_numel, max_micro_batches=1 if whole else max_micro_batches)
 
 
 class Trainer:
@@ -261,18 +304,11 @@ class Trainer:
         if self.offload is None:
             return None
         if batch not in self._plans:
-            self._plans[batch] = plan_offload(
-                self._graph, self.budget_bytes or 2**62, batch_windows=batch, tier=self.offload,
-                optimizer=self.spec.name, recompute=self.recompute,
-                prefetch_depth=self.prefetch_depth, resident_bytes=self.buffer_bytes,
-                staging=self.offload == "disk" and self.device.type == "cpu",
-                staging_chunk_bytes=None if self.chunk_numel is None else 4 * self.chunk_numel,
-                max_micro_batches=batch if self.max_micro_batches is None else min(batch, self.max_micro_batches))
-            p = self._plans[batch]
-            log.info("offload plan for %d windows: predicted peak %s at %s, prefetch %d, update chunk %d, "
-                     "micro-batches of %d, recompute %s", batch, format_bytes(p.predicted.peak_bytes),
-                     p.predicted.where, p.prefetch_depth, p.update_chunk_numel, p.micro_batch_windows,
-                     list(p.recomputed))
+            self._plans[batch] = offload_plan(
+                self._graph, batch, budget_bytes=self.budget_bytes, offload=self.offload, device=self.device,
+                optimizer=self.spec.name, recompute=self.recompute, prefetch_depth=self.prefetch_depth,
+                buffer_bytes=self.buffer_bytes, update_chunk_numel=self.chunk_numel,
+                max_micro_batches=self.max_micro_batches)
         return self._plans[batch]
 
     @property

@@ -224,3 +224,19 @@ def test_micro_batches_when_the_whole_batch_cannot_fit_accumulate_like_torch(off
         assert torch.equal(got[k], want[k]), f"{k} differs by {(got[k] - want[k]).abs().max()}"
     assert all(map(math.isfinite, losses))
     t.close()
+
+
+def test_train_plan_only_prints_the_plan_and_writes_nothing(tmp_path, capsys):
+    from edgeadapt.cli import main
+
+    run = tmp_path / "run"
+    args = ["train", "--model", "gpt-nano", "--steps", "1", "--offload", "disk", "--checkpoint-dir", str(run),
+            "--device", "cpu", "--plan-only", "--no-progress"]
+    assert main([*args, "--memory-budget", "3MiB"]) == 0
+    out = capsys.readouterr().out
+    for field in ("tiers:", "micro-batches:", "prefetch depth:", "update chunk:", "recompute:", "predicted peak:",
+                  "blocks.0:"):
+        assert field in out
+    assert "of 3.00 MiB" in out and not run.exists()
+    assert main([*args, "--memory-budget", "100KiB"]) == 2
+    assert "smallest budget" in capsys.readouterr().err and not run.exists()
