@@ -11,6 +11,8 @@ run directory (``--checkpoint-dir``) holds::
     model.json         how to rebuild the model (factory and keyword arguments)
     held_out_adapt.npz ``--hold-out-subject``'s windows, 5 labelled per class, to adapt on (a new person)
     held_out_eval.npz  that subject's other windows, disjoint from those, to evaluate on
+    .lock-rank<r>      locked (flock) by rank r of the run while it runs: a second run on the same
+                       directory refuses with one line (exit 2) instead of overwriting its state
 
 Multi-rank checkpoints: every rank holds an identical replica (same start, same averaged
 gradients, same optimizer arithmetic), so after a barrier rank 0 alone writes the checkpoint
@@ -31,10 +33,15 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
+import errno
+import fcntl
 import json
 import logging
 import math
+import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -258,6 +265,7 @@ def cmd_train(args: argparse.Namespace, echo=print) -> int:
     run_dir = Path(args.checkpoint_dir)
     device_type = "cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu"
     ctx = init_from_env(device_type)
+    stack = contextlib.ExitStack()
     try:
         if args.resume and not _has_checkpoint(run_dir):
             raise FileNotFoundError(f"--resume: no checkpoint in {run_dir / CHECKPOINTS}; run without --resume first")
@@ -267,6 +275,7 @@ def cmd_train(args: argparse.Namespace, echo=print) -> int:
         if ctx.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
         _barrier(ctx)
+        stack.enter_context(run_lock(run_dir, ctx.rank))
         device = _device(args, ctx)
         model, source, spec, loss = _build(args, ctx)
         n_params = sum(p.numel() for p in model.parameters())
@@ -303,7 +312,44 @@ def cmd_train(args: argparse.Namespace, echo=print) -> int:
             echo(f"interrupted; nothing written after the last checkpoint in {run_dir / CHECKPOINTS}")
         return INTERRUPTED
     finally:
+        stack.close()
         shutdown(ctx)
+
+
+class RunInUse(RuntimeError):
+    """Another ``edgeadapt train`` holds the run directory (its lock file is locked)."""
+
+
+def run_lock_path(run_dir: Path, rank: int) -> Path:
+    """The lock file of rank ``rank`` of the run in ``run_dir``."""
+    return Path(run_dir) / f".lock-rank{rank}"
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: Path, rank: int) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on :func:`run_lock_path` for the whole run.
+
+    Two runs on one ``--checkpoint-dir`` would overwrite each other's disk-tier state files and
+    checkpoints; the second one refuses instead. Each rank locks its own file, so the ranks of one
+    torchrun job do not exclude each other while every rank of a second job is refused. The lock
+    dies with its process (a killed run leaves nothing to clean up).
+
+    Raises:
+        RunInUse: another process holds the lock.
+    """
+    path = run_lock_path(run_dir, rank)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise
+            raise RunInUse(f"{run_dir} is in use by another edgeadapt train (rank {rank} holds {path.name}); wait "
+                           "for it to finish or choose another --checkpoint-dir") from None
+        yield
+    finally:
+        os.close(fd)
 
 
 def _any_rank(flag: bool, ctx: DistContext) -> bool:

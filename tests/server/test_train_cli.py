@@ -130,3 +130,28 @@ def test_train_then_export_then_adapt_on_the_held_out_subject(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     # subject 7 has 240 windows: 5 per class (6 classes) adapt, the other 210 evaluate
     assert 0.0 <= report["accuracy"] <= 1.0 and report["n_windows"] == 210
+
+
+def test_a_second_run_on_a_directory_in_use_is_refused_in_one_line(tmp_path, capsys):
+    """Two runs on one --checkpoint-dir would overwrite each other's disk-tier state: while one
+    holds the directory (here a process holding its lock file), another refuses before any work."""
+    from edgeadapt.server.train_cli import run_lock_path
+
+    run = tmp_path / "run"
+    run.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time\n"
+         "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
+         "print('HELD', flush=True)\ntime.sleep(120)", str(run_lock_path(run, 0))],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "HELD"
+        assert _train(run, "--steps", "1", "--offload", "disk") == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "is in use by another edgeadapt train" in err, err
+        assert not (run / "state").exists() and not (run / "checkpoints").exists()  # nothing touched
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+    assert _train(run, "--steps", "1", "--offload", "disk") == 0  # the lock died with its holder
