@@ -54,7 +54,7 @@ from ..atomic import atomic_write_json, staged_directory
 if TYPE_CHECKING:
     from .trainer import Trainer
 
-__all__ = ["CheckpointMismatch", "save", "save_sharded", "load", "latest", "check_signature", "rng_state",
+__all__ = ["CheckpointMismatch", "CheckpointDamaged", "CheckpointWriteError", "save", "save_sharded", "load", "latest", "check_signature", "rng_state",
            "set_rng_state"]
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,46 @@ FORMAT = 1
 
 class CheckpointMismatch(ValueError):
     """A checkpoint was written for another model or training configuration."""
+
+
+class CheckpointDamaged(ValueError):
+    """A checkpoint file cannot be read back (damaged, truncated, or not written by edgeadapt)."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, say); the previous one is kept."""
+
+
+def _reason(e: BaseException) -> str:
+    """The last line of an exception's message, shortened (torch's name C++ sources first)."""
+    return ((str(e).strip().splitlines() or [type(e).__name__])[-1])[:200]
+
+
+def _read_json(path: Path) -> dict:
+    """A checkpoint's JSON file; :class:`CheckpointDamaged` naming it when it cannot be read."""
+    try:
+        value = json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise CheckpointDamaged(f"{path} is missing; the checkpoint is incomplete - resume from another or start "
+                                "a new run") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointDamaged(f"{path} is damaged ({type(e).__name__}: {_reason(e)}); resume from another "
+                                "checkpoint or start a new run") from None
+    if not isinstance(value, dict):
+        raise CheckpointDamaged(f"{path} is damaged (not a JSON object); resume from another checkpoint or start a new run")
+    return value
+
+
+def _load_tensors(path: Path):
+    """``torch.load(path, weights_only=True)``; :class:`CheckpointDamaged` naming the file on failure."""
+    try:
+        return torch.load(path, weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointDamaged(f"{path} is missing; the checkpoint is incomplete - resume from another or start "
+                                "a new run") from None
+    except Exception as e:  # torch raises RuntimeError, pickle.UnpicklingError, EOFError, ... on damaged bytes
+        raise CheckpointDamaged(f"{path} is damaged ({type(e).__name__}: {_reason(e)}); resume from another "
+                                "checkpoint or start a new run") from None
 
 
 def rng_state() -> dict[str, torch.Tensor]:
@@ -123,30 +163,46 @@ def latest(directory: Path) -> Path:
 
     Raises:
         FileNotFoundError: no complete checkpoint in ``directory``.
+        CheckpointDamaged: ``latest.json`` cannot be read or names no checkpoint folder.
     """
     pointer = directory / "latest.json"
     if not pointer.exists():
         raise FileNotFoundError(f"no checkpoint in {str(directory)!r} (no latest.json); start without --resume")
-    return directory / json.loads(pointer.read_text())["checkpoint"]
+    name = _read_json(pointer).get("checkpoint")
+    if not isinstance(name, str) or not name.startswith("step-") or "/" in name:
+        raise CheckpointDamaged(f"{pointer} names no checkpoint folder ({str(name)[:40]!r}); start a new run")
+    return directory / name
 
 
 def save(trainer: Trainer, directory: Path, *, extra: dict, keep: int = 2) -> Path:
-    """Write a checkpoint of ``trainer`` under ``directory``; keep the newest ``keep``."""
+    """Write a checkpoint of ``trainer`` under ``directory``; keep the newest ``keep``.
+
+    Raises:
+        CheckpointWriteError: a file could not be written (a full disk, say), naming the step and
+            the folder; nothing of this checkpoint is left, ``latest.json`` still names the previous.
+    """
     directory.mkdir(parents=True, exist_ok=True)
     name = f"step-{trainer.step_count:08d}"
     target = directory / name
     if target.exists():  # a checkpoint of this very step exists: it is complete (renamed last)
         _point_latest(directory, name, trainer.step_count)
         return target
-    with staged_directory(target) as stage:
-        for i in range(len(trainer.blocks)):
-            torch.save(trainer.block_state(i), stage / f"block-{i:05d}.pt")
-        torch.save(trainer.buffers(), stage / "buffers.pt")
-        torch.save(rng_state(), stage / "rng.pt")
-        meta = {"format": FORMAT, "signature": trainer.signature(), "step": trainer.step_count,
-                "lr": trainer.lr, "extra": extra}
-        atomic_write_json(stage / "meta.json", meta)
-    _point_latest(directory, name, trainer.step_count)
+    try:
+        with staged_directory(target) as stage:
+            for i in range(len(trainer.blocks)):
+                torch.save(trainer.block_state(i), stage / f"block-{i:05d}.pt")
+            torch.save(trainer.buffers(), stage / "buffers.pt")
+            torch.save(rng_state(), stage / "rng.pt")
+            meta = {"format": FORMAT, "signature": trainer.signature(), "step": trainer.step_count,
+                    "lr": trainer.lr, "extra": extra}
+            atomic_write_json(stage / "meta.json", meta)
+        _point_latest(directory, name, trainer.step_count)
+    except FileExistsError:
+        raise
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as "[enforce fail at inline_container.cc]"
+        raise CheckpointWriteError(
+            f"could not write the checkpoint of step {trainer.step_count} in {directory} ({_reason(e)}); the disk "
+            "may be full - free space and resume from the previous checkpoint, which is kept") from None
     old = sorted(p for p in directory.glob("step-*") if p.is_dir() and p.name != name)
     for p in old[: max(0, len(old) - (keep - 1))]:
         shutil.rmtree(p, ignore_errors=True)
@@ -159,10 +215,11 @@ def load(trainer: Trainer, directory: Path) -> None:
 
     Raises:
         CheckpointMismatch: another model or configuration.
+        CheckpointDamaged: a file of the checkpoint cannot be read, naming it.
         FileNotFoundError: no checkpoint.
     """
     folder = latest(directory)
-    meta = json.loads((folder / "meta.json").read_text())
+    meta = _read_json(folder / "meta.json")
     if meta.get("format") != FORMAT:
         raise CheckpointMismatch(f"{folder} has checkpoint format {meta.get('format')!r}; this edgeadapt reads {FORMAT}")
     zero, sharding = meta.get("zero1"), getattr(trainer, "sharding", None)
@@ -185,9 +242,9 @@ def load(trainer: Trainer, directory: Path) -> None:
         _load_sharded(trainer, folder)
     else:
         for i in range(len(trainer.blocks)):
-            trainer.set_block_state(i, torch.load(folder / f"block-{i:05d}.pt", weights_only=True))
-        trainer._load_buffers(torch.load(folder / "buffers.pt", weights_only=True))
-        set_rng_state(torch.load(folder / "rng.pt", weights_only=True))
+            trainer.set_block_state(i, _load_tensors(folder / f"block-{i:05d}.pt"))
+        trainer._load_buffers(_load_tensors(folder / "buffers.pt"))
+        set_rng_state(_load_tensors(folder / "rng.pt"))
     trainer.step_count = int(meta["step"])
     trainer.lr = float(meta["lr"])
     trainer.checkpoint_extra = dict(meta.get("extra", {}))

@@ -146,3 +146,48 @@ def test_checkpoints_keep_the_newest_and_load_with_weights_only(tmp_path, adamw)
     assert r.step_count == 3 and r.checkpoint_extra == {"data_position": 3}
     wa, wb = t.model().state_dict(), r.model().state_dict()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)  # a host-tier checkpoint resumes in memory too
+
+
+def _saved_run(tmp_path, adamw):
+    x, y = batches("mlp", 1)[0]
+    t = Trainer(make_mlp(), optimizer=adamw, offload="host", device="cpu")
+    t.step(x, y)
+    t.save_checkpoint(tmp_path / "ckpt", extra={})
+    t.step(x, y)
+    return t
+
+
+@pytest.mark.parametrize("failure", [
+    RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file data/0: "
+                 "file write failed"),  # what torch.save says on a full disk
+    OSError(28, "No space left on device"),
+])
+def test_a_full_disk_at_checkpoint_is_one_clear_error_and_keeps_the_previous(tmp_path, monkeypatch, adamw, failure):
+    from edgeadapt.server.checkpoint import CheckpointWriteError
+
+    t = _saved_run(tmp_path, adamw)
+
+    def full(*a, **k):
+        raise failure
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(CheckpointWriteError, match=r"could not write the checkpoint of step 2 in .*ckpt \(.*\); the "
+                                                   r"disk may be full"):
+        t.save_checkpoint(tmp_path / "ckpt", extra={})
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest.json", "step-00000001"]
+    assert json.loads((tmp_path / "ckpt" / "latest.json").read_text())["step"] == 1
+
+
+@pytest.mark.parametrize("damage", ["meta not utf-8", "meta not json", "latest not utf-8", "block truncated"])
+def test_a_damaged_checkpoint_names_the_file(tmp_path, adamw, damage):
+    from edgeadapt.server.checkpoint import CheckpointDamaged
+
+    _saved_run(tmp_path, adamw)
+    folder = tmp_path / "ckpt" / "step-00000001"
+    target = {"meta not utf-8": folder / "meta.json", "meta not json": folder / "meta.json",
+              "latest not utf-8": tmp_path / "ckpt" / "latest.json", "block truncated": folder / "block-00000.pt"}[damage]
+    data = target.read_bytes()
+    target.write_bytes({"meta not utf-8": b"\xff\xfe" + data, "meta not json": data[: len(data) // 2],
+                        "latest not utf-8": b"\xff" + data, "block truncated": data[: len(data) // 2]}[damage])
+    with pytest.raises(CheckpointDamaged, match=rf"{target.name} is damaged \(.*\); resume from another checkpoint"):
+        Trainer.resume(tmp_path / "ckpt", make_mlp(), optimizer=adamw, offload=None, device="cpu")
