@@ -25,13 +25,11 @@ Modes:
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-import numpy as np
-
-__all__ = ["Mode", "Rule", "UpdatePolicy", "ParamUpdate", "resolve_channels", "LAST_LAYER"]
+__all__ = ["Mode", "Rule", "UpdatePolicy", "LAST_LAYER"]
 
 # The pattern of :meth:`UpdatePolicy.last_layer` without a module: it stands for the model's final
 # trainable layer, which resolving the policy over the model's graph finds
@@ -217,18 +215,3 @@ class UpdatePolicy:
             else:
                 rules.append(Rule(pattern, Mode(mode), params=params))
         return cls(tuple(rules), default)
-
-
-@dataclass(frozen=True)
-class ParamUpdate:
-    """The resolved update of one parameter: its mode and, for ``channels``, the trained channels."""
-
-    mode: Mode
-    channels: tuple[int, ...] | None = field(default=None)
-
-
-def resolve_channels(rule: Rule, module_path: str, weight: np.ndarray) -> tuple[int, ...]:
-    """The sorted output channels that ``rule`` trains; see :func:`edgeadapt.sched.resolve.resolve_channels`."""
-    from .resolve import resolve_channels as resolve  # resolve imports this module
-
-    return resolve(rule, module_path, weight)

@@ -10,8 +10,8 @@ from sched_testgraphs import random_graph
 
 from edgeadapt.sched import CostModel, Graph, Op, Param, minimum_budget, plan_for_budget
 from edgeadapt.sched.plan import ParamPlan, Plan
-from edgeadapt.sched.policy import Mode, Rule, UpdatePolicy, resolve_channels
-from edgeadapt.sched.resolve import cut_of, policy_of_plan, resolve_params
+from edgeadapt.sched.policy import Mode, Rule, UpdatePolicy
+from edgeadapt.sched.resolve import cut_of, policy_of_plan, resolve_channels, resolve_params
 
 
 def test_parse_and_round_trip():
