@@ -6,7 +6,9 @@ lists, not that the manifest tells the truth about them. Before any session is o
 
 * parses every ONNX file (``onnx``, no torch) and refuses external data that is not a
   checksummed file of the bundle, ops outside the domains the exporter writes
-  (:data:`ALLOWED_DOMAINS`), model-local functions, and IR versions ONNX Runtime 1.19 cannot load;
+  (:data:`ALLOWED_DOMAINS`), ops the exporter never writes into the model's role, control flow
+  and sizes computed from data (:mod:`edgeadapt.op_allowlist`), model-local functions, and IR
+  versions ONNX Runtime 1.19 cannot load;
 * compares the manifest with the graphs it describes: input, output and label names, element
   types and shapes, the label range against the output width, every parameter's graph tensors
   and shapes, which of them have gradients, and the optimizer's settings;
@@ -31,6 +33,7 @@ import numpy as np
 
 from .bundle import CONTRACT_KEY, PORTABLE_GRAPH_ROLES, BundleError, Manifest, check_member_name, contract_digest, file_size_limits, member_path
 from .npz import read_arrays
+from .op_allowlist import check_ops
 
 __all__ = [
     "ALLOWED_DOMAINS",
@@ -142,13 +145,17 @@ def _tensors(graph) -> Iterator[tuple[str, object]]:
                 yield f"node {node.name or node.op_type!r} attribute {attr.name!r}", t
 
 
-def check_onnx_file(bundle_dir: str | Path, name: str, checksummed: set[str] | frozenset[str] = frozenset()):
+def check_onnx_file(bundle_dir: str | Path, name: str, checksummed: set[str] | frozenset[str] = frozenset(),
+                    role: str | None = None):
     """Parse one ONNX file of a bundle and refuse what the exporter never writes.
 
     Args:
         bundle_dir: the bundle.
         name: the member file name.
         checksummed: member names the manifest checksums; external data may live only there.
+        role: the model's role in the bundle; when given, its ops are checked against
+            :data:`edgeadapt.op_allowlist.ALLOWED_OPS` and sizes computed from data are refused
+            (:func:`edgeadapt.op_allowlist.check_ops`).
 
     Returns:
         The parsed ``onnx.ModelProto`` (external data not loaded).
@@ -192,6 +199,8 @@ def check_onnx_file(bundle_dir: str | Path, name: str, checksummed: set[str] | f
                     f"the domains the exporter writes {sorted(ALLOWED_DOMAINS)}; the model was not made by "
                     "edgeadapt export (custom ops are refused)"
                 )
+    if role is not None:
+        check_ops(model, role, str(path))
     return model
 
 
@@ -363,7 +372,7 @@ def check_bundle_models(bundle_dir: str | Path, manifest: Manifest, backend: str
     """
     bundle_dir = Path(bundle_dir)
     checksummed = frozenset(manifest.sha256)
-    models = {role: check_onnx_file(bundle_dir, manifest.files[role], checksummed)
+    models = {role: check_onnx_file(bundle_dir, manifest.files[role], checksummed, role)
               for role in (_MODEL_ROLES if backend == "ort-training" else ("prefix_model", *PORTABLE_GRAPH_ROLES))
               if role in manifest.files}
     paths = {role: member_path(bundle_dir, manifest.files[role]) for role in models}

@@ -351,3 +351,83 @@ def test_masks_members_are_checked_before_reading(bundle, member, data, match):
     _rehash(bundle, "masks.npz")
     with pytest.raises(BundleError, match=rf"masks\.npz: {match}"):
         Runner.load(bundle)
+
+
+# ---- ops: only what the exporter writes, no control flow, no sizes from data --------------------
+def _add_nodes(bundle, name: str, nodes, initializers=()) -> None:
+    def edit(model):
+        model.graph.node.extend(nodes)
+        model.graph.initializer.extend(initializers)
+    _edit_model(bundle, name, edit)
+
+
+def test_a_loop_without_trip_count_is_refused(bundle):
+    """An endless Loop (no trip count, condition always true) would spin evaluate forever."""
+    from onnx import TensorProto, helper
+
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"])], "forever",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, [])])
+    true = helper.make_tensor("always", TensorProto.BOOL, [], [True])
+    _add_nodes(bundle, "eval_model.onnx", [helper.make_node("Loop", ["", "always"], [], name="spin", body=body)], [true])
+    with pytest.raises(BundleError, match=r"eval_model\.onnx: node 'spin' is Loop, control flow, which the exporter "
+                                          r"never writes into a eval_model"):
+        Runner.load(bundle, backend="ort-training")  # the graphs edited above
+
+
+def test_an_op_the_exporter_never_writes_is_refused(bundle):
+    from onnx import helper
+
+    _add_nodes(bundle, "eval_model.onnx", [helper.make_node("RandomNormalLike", ["input"], ["noise"], name="dice")])
+    with pytest.raises(BundleError, match=r"node 'dice' is RandomNormalLike, an op the exporter never writes"):
+        Runner.load(bundle, backend="ort-training")  # the graphs edited above
+
+
+def test_a_size_computed_from_the_input_values_is_refused(bundle):
+    """ConstantOfShape of Cast(ReduceMax(input)): the data would choose how much to allocate."""
+    from onnx import helper
+
+    nodes = [helper.make_node("ReduceMax", ["input"], ["peak"], keepdims=0),
+             helper.make_node("Cast", ["peak"], ["peak_int"], to=7),
+             helper.make_node("Unsqueeze", ["peak_int", "axis0"], ["dims"]),
+             helper.make_node("ConstantOfShape", ["dims"], ["hog"], name="alloc")]
+    axis = helper.make_tensor("axis0", 7, [1], [0])
+    _add_nodes(bundle, "eval_model.onnx", nodes, [axis])
+    with pytest.raises(BundleError, match=r"ConstantOfShape node 'alloc' is not bounded: its input 'dims' is "
+                                          r"computed from the values of ReduceMax node"):
+        Runner.load(bundle, backend="ort-training")  # the graphs edited above
+
+
+@pytest.mark.parametrize("op, dims, match", [
+    ("ConstantOfShape", [1 << 20, 1 << 20], "asks for more than 268435456 elements"),
+    ("ConstantOfShape", [1 << 40], "beyond 16777216"),
+])
+def test_constant_sizes_are_bounded(bundle, op, dims, match):
+    from onnx import helper
+
+    shape = helper.make_tensor("big_shape", 7, [len(dims)], dims)
+    _add_nodes(bundle, "eval_model.onnx", [helper.make_node(op, ["big_shape"], ["hog"], name="alloc")], [shape])
+    with pytest.raises(BundleError, match=rf"{op} node 'alloc' is not bounded: .*{match}"):
+        Runner.load(bundle, backend="ort-training")  # the graphs edited above
+
+
+def test_a_range_with_a_tiny_step_is_refused(bundle):
+    from onnx import helper
+
+    consts = [helper.make_tensor("r0", 1, [], [0.0]), helper.make_tensor("r1", 1, [], [1.0]),
+              helper.make_tensor("step", 1, [], [1e-30])]
+    _add_nodes(bundle, "eval_model.onnx", [helper.make_node("Range", ["r0", "r1", "step"], ["ramp"], name="ramp")],
+               consts)
+    with pytest.raises(BundleError, match=r"Range node 'ramp' is not bounded: it counts \d+ steps"):
+        Runner.load(bundle, backend="ort-training")  # the graphs edited above
+
+
+def test_the_op_table_has_no_control_flow_and_knows_every_role():
+    from edgeadapt.op_allowlist import ALLOWED_OPS, CONTROL_FLOW_OPS, check_ops
+
+    assert not any(CONTROL_FLOW_OPS & ops for ops in ALLOWED_OPS.values())
+    assert {"training_model", "eval_model", "optimizer_model", "prefix_model"} <= set(ALLOWED_OPS)
+    with pytest.raises(BundleError, match="no ops are allowed for a model of role 'mystery'"):
+        check_ops(onnx.ModelProto(), "mystery")
