@@ -8,14 +8,13 @@ Four parts, each printed as a table and written to ``--out`` (``budget_*.json/.m
    from the smallest feasible one (``edgeadapt.sched.minimum_budget``) to the predicted peak of
    full fine-tuning (plus ``--extra-budget`` values inside that range): export a bundle with
    ``export_bundle(memory_budget=B, n_windows=N, batch_windows=b)`` (the planner picks what
-   trains), then in a FRESH process where ``import torch`` fails
-   (``edgeadapt.harness.isolation.forbid_torch``) load it with the runner, warm up (one
-   2-window prediction: inference kernels paged in; numpy's shuffling generator used once: its
-   first use costs ~0.8 MiB anonymous memory), and run one ``Runner.adapt`` call over
-   ``N`` synthetic windows (``--epochs`` epochs, batch ``b``, the plan's micro-batch). The
-   figures are the runner's own (``AdaptResult``): the peak of the whole call and of one step
-   over the loaded runner, total (VmHWM delta) and anonymous only (sampled RssAnon), next to
-   the plan's predicted whole-call peak (the manifest's ``predicted_peak_bytes``).
+   trains), then measure one ``Runner.adapt`` call over ``N`` synthetic windows (``--epochs``
+   epochs, batch ``b``, the plan's micro-batch) by the project's measuring protocol
+   (``edgeadapt.measure``: a fresh process where ``import torch`` fails, as a user has it:
+   bundle loaded, a prediction made, progress bar on, nothing warmed up, heap not trimmed).
+   The figures: the whole call's peak over the process just before it, anonymous (sampled
+   RssAnon) and total (VmHWM), next to the plan's predicted whole-call peak (the manifest's
+   ``predicted_peak_bytes``); one step's peak is the runner's own (``AdaptResult``).
 2. **Torch eager full fine-tuning** at the same batch in the same invocation, fresh process:
    the same weights, BatchNorm on running statistics (the bundle's frozen BatchNorm), AdamW with
    the bundle's settings. Warm-up first (docs/ort_notes.md, "Measuring a step's memory"): one
@@ -132,46 +131,6 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
     return front
 
 
-def synthetic_chain(n_ops: int = 500, seed: int = 0):
-    """A seeded chain of ``n_ops`` elements with varied saved bytes, FLOPs and transient bytes."""
-    import numpy as np
-
-    from edgeadapt.sched import Chain
-
-    rng = np.random.default_rng(seed)
-    saved = rng.integers(1, 64, n_ops) * 1024
-    flops = rng.integers(1, 100, n_ops) * 10_000
-    fwd = saved + rng.integers(0, 32, n_ops) * 1024
-    bwd = 2 * saved + rng.integers(0, 32, n_ops) * 1024
-    return Chain(tuple(f"op{i}" for i in range(n_ops)), tuple(int(v) for v in saved), tuple(int(v) for v in flops),
-                 tuple(int(v) for v in fwd), tuple(int(v) for v in bwd), tail_fwd=4096, tail_bwd=8192)
-
-
-def time_chain_planner(n_ops: int = 500, seed: int = 0) -> dict[str, Any]:
-    """Wall time of the remat DP on a ``n_ops`` chain: least peak, and least FLOPs under a limit
-    halfway between the least peak and keep-everything; sqrt(n)'s peak for comparison."""
-    from edgeadapt.sched.remat import chain_flops, chain_peak, min_flops_schedule, min_peak_schedule, sqrt_schedule
-
-    chain = synthetic_chain(n_ops, seed)
-    keep_all = chain_peak(chain, (False,) * n_ops)
-    t0, c0 = time.perf_counter(), time.process_time()
-    low, low_schedule = min_peak_schedule(chain)
-    t_peak, c_peak = time.perf_counter() - t0, time.process_time() - c0
-    limit = (low + keep_all) // 2
-    t0, c0 = time.perf_counter(), time.process_time()
-    mid = min_flops_schedule(chain, limit)
-    t_flops, c_flops = time.perf_counter() - t0, time.process_time() - c0
-    sq = sqrt_schedule(chain)
-    return {
-        "n_ops": n_ops, "seed": seed, "keep_all_peak_bytes": keep_all,
-        "min_peak_bytes": low, "min_peak_recompute_flops": chain_flops(chain, low_schedule), "min_peak_s": t_peak,
-        "min_peak_cpu_s": c_peak, "limit_bytes": limit, "min_flops_s": t_flops, "min_flops_cpu_s": c_flops,
-        "min_flops_recompute_flops": None if mid is None else chain_flops(chain, mid),
-        "min_flops_peak_bytes": None if mid is None else chain_peak(chain, mid),
-        "sqrt_peak_bytes": chain_peak(chain, sq), "sqrt_recompute_flops": chain_flops(chain, sq),
-    }
-
-
 # ------------------------------------------------------------------------------------------
 # Worker side: a fresh process per measurement (stdlib + numpy at import; torch only in "torch")
 # ------------------------------------------------------------------------------------------
@@ -195,45 +154,6 @@ def _warm_up_python(n: int, seed: int) -> None:
     np.random.default_rng(seed).permutation(n)
     with tempfile.TemporaryDirectory(prefix="budget_sweep-warm-"):
         pass
-
-
-def runner_job(spec: dict[str, Any]) -> dict[str, Any]:
-    """Torch-free: load the bundle, warm up, one measured ``adapt`` call, optional evaluation.
-
-    Figures come from ``AdaptResult`` (the runner's own probes: baseline = the loaded runner
-    just before the call).
-    """
-    from edgeadapt.datasets import WindowDataset
-    from edgeadapt.memory import status_fields, trim_heap
-    from edgeadapt.runtime import Runner
-
-    runner = Runner.load(spec["bundle"], device="cpu", threads=spec["threads"])
-    m = runner.manifest
-    if spec.get("adapt_data"):
-        ad = WindowDataset.load_npz(spec["adapt_data"])
-        X, y = ad.X, ad.y
-    else:
-        X, y = _synthetic_data(spec["n_windows"], tuple(m.input.shape[1:]), int(m.label["n_classes"]), spec["seed"])
-    _warm_up_python(len(X), spec["seed"])
-    runner.predict(X[:2])  # the inference kernels (prefix, eval graph) paged in before the baseline
-    heap_trimmed = trim_heap()  # the measuring protocol: freed heap back to the OS before the baseline
-    loaded = status_fields("VmRSS", "RssAnon")
-    result = runner.adapt(X, y, epochs=spec["epochs"], batch_size=spec["batch_windows"], lr=spec.get("lr"),
-                          seed=spec["seed"], progress=False)
-    out = {
-        "torch_imported": any(k == "torch" or k.startswith("torch.") for k in sys.modules),
-        "device": runner.device, "trainable_numel": m.trainable_numel, "total_numel": m.total_numel,
-        "n_windows": int(len(X)), "steps": result.steps, "adapt_time_s": result.time_s,
-        "epoch_losses": list(result.epoch_losses),
-        "loaded_rss_bytes": loaded["VmRSS"], "loaded_anon_bytes": loaded["RssAnon"], "heap_trimmed": heap_trimmed,
-        **{k: getattr(result, k, None) for k in ("step_peak_bytes", "step_peak_anon_bytes", "call_peak_bytes",
-                                                 "call_peak_anon_bytes")},
-    }
-    if spec.get("eval_data"):
-        ev = WindowDataset.load_npz(spec["eval_data"])
-        out["accuracy"] = runner.evaluate(ev.X, ev.y).accuracy
-        out["n_eval_windows"] = int(len(ev.y))
-    return out
 
 
 def torch_job(spec: dict[str, Any]) -> dict[str, Any]:
@@ -298,23 +218,32 @@ def torch_job(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _worker_main(kind: str, spec_path: str, report_path: str) -> int:
-    if kind == "runner":
-        from edgeadapt.harness.isolation import forbid_torch
-
-        forbid_torch()  # before anything else of edgeadapt is imported
     from edgeadapt.atomic import atomic_write_json
 
     spec = json.loads(Path(spec_path).read_text())
-    atomic_write_json(report_path, runner_job(spec) if kind == "runner" else torch_job(spec))
+    atomic_write_json(report_path, torch_job(spec))
     return 0
 
 
 def run_worker(kind: str, spec: dict[str, Any], workdir: Path, timeout_s: float = 900) -> dict[str, Any]:
-    """Run :func:`runner_job` (``kind="runner"``, torch blocked) or :func:`torch_job` in a fresh process.
+    """``kind="runner"``: one adapt call measured by the project's protocol (``edgeadapt.measure``:
+    a fresh torch-free process as a user has it, progress bar on, a prediction first, nothing
+    warmed up, heap not trimmed); ``kind="torch"``: :func:`torch_job` in a fresh process.
 
     Raises:
         RuntimeError: the process failed; the message carries its stderr.
     """
+    if kind == "runner":
+        from edgeadapt.measure import MeasureSpec, measure_in_fresh_process
+
+        report = measure_in_fresh_process(
+            MeasureSpec(bundle=spec["bundle"], n_windows=spec.get("n_windows"), batch_windows=spec["batch_windows"],
+                        epochs=spec["epochs"], lr=spec.get("lr"), seed=spec["seed"], threads=spec["threads"],
+                        adapt_data=spec.get("adapt_data"), eval_data=spec.get("eval_data")),
+            timeout_s=timeout_s, env={"OMP_NUM_THREADS": str(spec["threads"]), "MKL_NUM_THREADS": str(spec["threads"])})
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "runner_report.json").write_text(json.dumps(report))
+        return report
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path, report_path = workdir / f"{kind}_spec.json", workdir / f"{kind}_report.json"
     spec_path.write_text(json.dumps(spec))
@@ -324,10 +253,7 @@ def run_worker(kind: str, spec: dict[str, Any], workdir: Path, timeout_s: float 
                            str(report_path)], capture_output=True, text=True, timeout=timeout_s, cwd=REPO, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"the {kind} worker failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    report = json.loads(report_path.read_text())
-    if kind == "runner" and report["torch_imported"]:
-        raise RuntimeError("internal: the runner worker imported torch")
-    return report
+    return json.loads(report_path.read_text())
 
 
 # ------------------------------------------------------------------------------------------
@@ -458,6 +384,8 @@ def memory_sweep(args, work: Path) -> dict[str, Any]:
             rows.append(row)
             print("  " + _memory_line(row), flush=True)
         out["models"][name] = {"ladder": ladder, "torch_eager": {**eager, "runs": torch_runs}, "rows": rows}
+    from edgeadapt.sched.remat_timing import time_chain_planner
+
     out["chain"] = time_chain_planner(500, args.seed)
     return out
 
@@ -545,11 +473,11 @@ def memory_markdown(res: dict[str, Any]) -> str:
                       f"{len(m['rows']) - len(ok)} export(s) failed.", ""]
     lines += ["**Planner time** (this machine, shared; one run each):", ""]
     c = res["chain"]
-    cpu = lambda k: f" (CPU {c[k] * 1e3:.0f} ms)" if k in c else ""  # noqa: E731
-    lines.append(f"- remat DP on a {c['n_ops']}-op chain: least peak {c['min_peak_s'] * 1e3:.0f} ms{cpu('min_peak_cpu_s')} "
-                 f"({fmt_bytes(c['min_peak_bytes'])} per window vs keep-all {fmt_bytes(c['keep_all_peak_bytes'])}, "
-                 f"sqrt(n) {fmt_bytes(c['sqrt_peak_bytes'])}); least FLOPs under {fmt_bytes(c['limit_bytes'])}: "
-                 f"{c['min_flops_s'] * 1e3:.0f} ms{cpu('min_flops_cpu_s')}")
+    lim = c["limits"][0]
+    lines.append(f"- remat DP on a {c['n_ops']}-op chain: least peak {c['min_peak_s'] * 1e3:.0f} ms "
+                 f"(CPU {c['min_peak_cpu_s'] * 1e3:.0f} ms; {fmt_bytes(c['min_peak_bytes'])} per window vs keep-all "
+                 f"{fmt_bytes(c['keep_all_peak_bytes'])}, sqrt(n) {fmt_bytes(c['sqrt_peak_bytes'])}); least FLOPs under "
+                 f"{fmt_bytes(lim['limit_bytes'])}: {lim['min_flops_s'] * 1e3:.0f} ms (CPU {lim['min_flops_cpu_s'] * 1e3:.0f} ms)")
     for name, m in res["models"].items():
         lad = m["ladder"]
         lines.append(f"- {name}: graph IR from ONNX {lad['graph_s']:.2f} s, minimum_budget {lad['minimum_budget_s']:.2f} s, "
@@ -844,20 +772,6 @@ def _bytes_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _code_version() -> dict[str, Any]:
-    """The commit the code comes from and the tracked files that differ from it (read-only git)."""
-    def git(*a: str) -> str | None:
-        try:
-            return subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True, timeout=30,
-                                  check=True).stdout.rstrip("\n")  # porcelain lines start with a space
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    status = git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": git("rev-parse", "HEAD"),
-            "modified_files": None if status is None else [line[3:] for line in status.splitlines()]}
-
-
 def _host() -> dict[str, Any]:
     try:
         from edgeadapt.versions import host_info
@@ -912,11 +826,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     from edgeadapt.atomic import atomic_write_bytes, atomic_write_json
+    from edgeadapt.versions import code_version
 
     command = " ".join([".venv/bin/python", "benchmarks/budget_sweep.py", *map(shlex.quote, argv)])
     print(command, flush=True)
     base = {"command": command, "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "host": _host(), "code": _code_version(), "loadavg_start": list(os.getloadavg())}
+            "host": _host(), "code": code_version(REPO), "loadavg_start": list(os.getloadavg())}
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="budget_sweep-") as tmp:
         work = Path(tmp)

@@ -17,19 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
-import tempfile
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plan_report", "format_report", "measure_adapt", "draw_timeline", "cmd_plan", "add_plan_parser",
-           "MEASURE_SAMPLE_INTERVAL_S"]
-
-# RssAnon/VmRSS are sampled this often during a measured adapt call.
-MEASURE_SAMPLE_INTERVAL_S = 0.002
+__all__ = ["plan_report", "format_report", "measure_adapt", "draw_timeline", "cmd_plan", "add_plan_parser"]
 
 
 def format_bytes(n: int) -> str:
@@ -160,7 +151,8 @@ def format_report(r: dict[str, Any], measured: dict[str, Any] | None = None) -> 
         out.extend(_phase_lines(peak))
     if measured is not None:
         out.append(f"measured     adapt over {measured['n_windows']} windows, 1 epoch, batch {measured['batch_windows']}, "
-                   f"{measured['steps']} steps, fresh torch-free process, device {measured['device']}")
+                   f"{measured['steps']} steps, fresh torch-free process as a user has it (edgeadapt.measure), "
+                   f"device {measured['device']}")
         pred = peak["peak_bytes"] if peak else None
         for label, key in (("total (VmHWM delta)", "call_peak_bytes"), ("anonymous (RssAnon)", "call_peak_anon_bytes")):
             v = measured[key]
@@ -171,112 +163,26 @@ def format_report(r: dict[str, Any], measured: dict[str, Any] | None = None) -> 
 
 
 # ---- measuring ------------------------------------------------------------------------------
-class _Timeline:
-    """Samples (time, VmRSS, RssAnon) from a thread (``edgeadapt.memory.status_fields``)."""
-
-    def __init__(self, interval_s: float):
-        from .memory import status_fields
-
-        self._read = lambda: status_fields("VmRSS", "RssAnon")
-        self.interval_s = interval_s
-        self.series: list[tuple[float, int, int]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="plan-timeline", daemon=True)
-        self._switch_s = sys.getswitchinterval()
-
-    def sample(self) -> None:
-        f = self._read()
-        self.series.append((time.perf_counter(), f["VmRSS"], f["RssAnon"]))
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.sample()
-
-    def __enter__(self) -> _Timeline:
-        self.sample()
-        sys.setswitchinterval(min(self._switch_s, self.interval_s))
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        sys.setswitchinterval(self._switch_s)
-        self.sample()
-
-
-def _synthetic_data(manifest, n: int, seed: int):
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    X = rng.standard_normal((n, *manifest.input.shape[1:])).astype(np.float32)
-    spec = manifest.label
-    if spec is None:
-        return X, None
-    if manifest.loss == "cross_entropy":
-        return X, (np.arange(n) % int(spec["n_classes"])).astype(np.int64)
-    shape = [n, *spec["shape"][1:]]
-    return X, rng.uniform(0.0, 1.0, shape).astype(np.float32)
-
-
-def _measure_job(spec: dict[str, Any]) -> dict[str, Any]:
-    """In the fresh process: load, warm up, then one measured adapt call of the planned size."""
-    from .memory import peak_rss_bytes, reset_peak_rss, trim_heap
-    from .runtime import Runner
-
-    runner = Runner.load(spec["bundle"], device=spec["device"], threads=spec["threads"])
-    X, y = _synthetic_data(runner.manifest, spec["n_windows"], spec["seed"])
-    # Warm-up: page in the inference kernels (prefix and eval graph) so the baseline holds them.
-    runner.predict(X[:2])
-    # The measuring protocol (docs/design.md, "Measuring"): freed heap back to the OS before the
-    # baseline, so the call's allocations show in full whatever loading and warm-up left behind.
-    heap_trimmed = trim_heap()
-    reset_ok = reset_peak_rss()
-    with _Timeline(spec["interval_s"]) as timeline:
-        base_total, base_anon = timeline.series[0][1], timeline.series[0][2]
-        result = runner.adapt(X, y, epochs=1, batch_size=spec["batch_windows"], seed=spec["seed"], progress=False)
-    t0 = timeline.series[0][0]
-    return {
-        "device": runner.device, "torch_imported": "torch" in sys.modules,
-        "n_windows": spec["n_windows"], "batch_windows": spec["batch_windows"], "steps": result.steps,
-        "baseline_rss_bytes": base_total, "baseline_anon_bytes": base_anon, "peak_reset_ok": reset_ok,
-        "heap_trimmed": heap_trimmed,
-        "call_peak_bytes": max(0, peak_rss_bytes() - base_total),
-        "call_peak_anon_bytes": max(0, max(s[2] for s in timeline.series) - base_anon),
-        "samples": len(timeline.series),
-        "timeline": [[round(t - t0, 6), rss - base_total, anon - base_anon] for t, rss, anon in timeline.series],
-        "adapt_time_s": result.time_s,
-        "result": {k: v for k, v in vars(result).items() if isinstance(v, (int, float, str))},
-    }
-
-
 def measure_adapt(bundle_dir: str | os.PathLike, *, n_windows: int | None = None, batch_windows: int | None = None,
                   device: str = "cpu", threads: int | None = 1, seed: int = 0,
                   timeout_s: float = 600) -> dict[str, Any]:
-    """Run one adapt call of the planned size in a fresh process where torch cannot be imported.
-
-    The baseline is that process with the runner loaded, one 2-window prediction run (the
-    inference kernels paged in) and freed heap returned to the OS (``edgeadapt.memory.trim_heap``,
-    the measuring protocol; ``heap_trimmed`` says whether it could); the figures are the peak of the whole ``adapt`` call above it:
-    ``call_peak_bytes`` (VmHWM) and ``call_peak_anon_bytes`` (sampled RssAnon, a lower bound),
-    plus ``timeline`` rows ``[seconds, VmRSS - baseline, RssAnon - baseline]``.
+    """One adapt call of the planned size (one epoch) measured by the project's measuring
+    protocol (:mod:`edgeadapt.measure`): a fresh torch-free process as a user has it (bundle
+    loaded, a prediction made, progress bar on, nothing warmed up), the whole call's peaks over
+    the process just before it: ``call_peak_bytes`` (VmHWM) and ``call_peak_anon_bytes``
+    (sampled RssAnon, a lower bound), plus ``timeline`` rows ``[seconds, VmRSS - baseline,
+    RssAnon - baseline]``.
 
     Raises:
         RuntimeError: the job failed; the message carries its stderr.
     """
+    from .measure import MeasureSpec, measure_in_fresh_process
+
     _, plan, _ = _load(bundle_dir)
-    spec = {"bundle": os.fspath(bundle_dir), "n_windows": n_windows or plan.n_windows,
-            "batch_windows": batch_windows or plan.batch_windows, "device": device, "threads": threads,
-            "seed": seed, "interval_s": MEASURE_SAMPLE_INTERVAL_S}
-    with tempfile.TemporaryDirectory(prefix="edgeadapt-plan-") as scratch:
-        spec_path, report_path = Path(scratch) / "spec.json", Path(scratch) / "report.json"
-        spec_path.write_text(json.dumps(spec))
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        proc = subprocess.run([sys.executable, "-m", "edgeadapt.plan_cli", str(spec_path), str(report_path)],
-                              capture_output=True, text=True, timeout=timeout_s, env=env)
-        if proc.returncode != 0:
-            raise RuntimeError(f"the measuring adapt job failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-        return json.loads(report_path.read_text())
+    spec = MeasureSpec(bundle=os.fspath(bundle_dir), n_windows=n_windows or plan.n_windows,
+                       batch_windows=batch_windows or plan.batch_windows, device=device, threads=threads,
+                       seed=seed, timeline=True)
+    return measure_in_fresh_process(spec, timeout_s=timeout_s)
 
 
 # ---- the timeline picture ----------------------------------------------------------------------
@@ -381,21 +287,3 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_plan)
     return p
-
-
-def _job_main(argv: list[str]) -> int:
-    from .harness.isolation import forbid_torch
-
-    forbid_torch()
-    from .atomic import atomic_write_json
-
-    spec = json.loads(Path(argv[0]).read_text())
-    atomic_write_json(argv[1], _measure_job(spec))
-    return 0
-
-
-if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        print("usage: python -m edgeadapt.plan_cli SPEC.json REPORT.json (the --measure job)", file=sys.stderr)
-        sys.exit(2)
-    sys.exit(_job_main(sys.argv[1:]))

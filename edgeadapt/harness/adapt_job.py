@@ -58,18 +58,19 @@ class AdaptJobSpec:
 def run_job(spec: AdaptJobSpec) -> dict[str, Any]:
     """Run the job in this process and return the report (see module docstring).
 
-    Memory figures (bytes; see docs/design.md, "Measuring") are the runner's own
-    (:class:`~edgeadapt.runtime.AdaptResult`): the baseline is this process with the runner
-    loaded and evaluated once and freed heap returned to the OS (``edgeadapt.memory.trim_heap``,
-    the measuring protocol; ``heap_trimmed``), just before ``adapt``; ``step_peak_bytes`` is the largest
-    resident high-water mark (VmHWM) of any single optimizer step over it, ``call_peak_bytes``
-    that of the whole ``adapt`` call (training session, rollback copies included);
-    ``*_anon_bytes`` the same for anonymous memory only (sampled RssAnon, no file pages).
+    Memory figures (bytes) follow the measuring protocol (:mod:`edgeadapt.measure`): the
+    baseline is this process with the runner loaded and evaluated once, just before ``adapt``
+    (freed heap returned to the OS first: ``heap_trimmed``); ``call_peak_bytes`` is the
+    resident high-water mark (VmHWM) of the whole call as the caller sees it over it,
+    ``call_peak_anon_bytes`` the same for anonymous memory only (sampled RssAnon, no file
+    pages); ``step_peak_bytes`` / ``step_peak_anon_bytes`` are the runner's own figures for its
+    largest single optimizer step (:class:`~edgeadapt.runtime.AdaptResult`).
     ``load_rss_bytes``/``load_anon_bytes``: what loading the bundle allocated, before the
     baseline (imports excluded).
     """
     from ..datasets import WindowDataset
-    from ..memory import status_fields, trim_heap
+    from ..measure import measure_call
+    from ..memory import status_fields
     from ..runtime import Runner
     from ..versions import host_info
 
@@ -82,20 +83,8 @@ def run_job(spec: AdaptJobSpec) -> dict[str, Any]:
     labeled = runner.manifest.label is not None
     before = runner.evaluate(held_out.X, held_out.y) if labeled else None
     before_logits = None if labeled else runner.predict(held_out.X)
-    heap_trimmed = trim_heap()  # the measuring protocol: freed heap back to the OS before the baseline
-    base = status_fields("VmRSS", "RssAnon")
-    label_free = None
-    if spec.unlabeled is not None:
-        from ..runtime import AdaptResult
-        from ..runtime.unlabeled import UnlabeledSettings
-
-        label_free = runner.adapt_unlabeled(adapt.X, UnlabeledSettings.from_dict({"seed": spec.seed, **spec.unlabeled}))
-        result = AdaptResult(0, label_free.steps, (), label_free.time_s, call_peak_bytes=label_free.call_peak_bytes,
-                             call_peak_anon_bytes=label_free.call_peak_anon_bytes)
-    else:
-        result = runner.adapt(adapt.X, adapt.y if labeled else None, epochs=spec.epochs,
-                              batch_size=spec.batch_size, lr=spec.lr, schedule=spec.schedule,
-                              seed=spec.seed, progress=False)
+    with measure_call(trim_heap=True) as mem:  # the measuring protocol (edgeadapt.measure)
+        result, label_free = _adapt(runner, spec, adapt, labeled)
     after = runner.evaluate(held_out.X, held_out.y) if labeled else None
     if not labeled:  # label-free bundle: accuracy from the logits
         logits = runner.predict(held_out.X)
@@ -113,21 +102,34 @@ def run_job(spec: AdaptJobSpec) -> dict[str, Any]:
         "steps": result.steps,
         "adapt_time_s": result.time_s,
         "job_time_s": time.perf_counter() - start,
-        "heap_trimmed": heap_trimmed,
-        "loaded_rss_bytes": base["VmRSS"],
-        "loaded_anon_bytes": base["RssAnon"],
+        "heap_trimmed": mem.heap_trimmed,
+        "loaded_rss_bytes": mem.baseline_rss_bytes,
+        "loaded_anon_bytes": mem.baseline_anon_bytes,
         "load_rss_bytes": loaded["VmRSS"] - imported["VmRSS"],
         "load_anon_bytes": loaded["RssAnon"] - imported["RssAnon"],
         "step_peak_bytes": result.step_peak_bytes,
-        "call_peak_bytes": result.call_peak_bytes,
+        "call_peak_bytes": mem.call_peak_bytes,
         "step_peak_anon_bytes": result.step_peak_anon_bytes,
-        "call_peak_anon_bytes": result.call_peak_anon_bytes,
+        "call_peak_anon_bytes": mem.call_peak_anon_bytes,
         "trainable_numel": runner.manifest.trainable_numel,
         "n_adapt_windows": int(len(adapt.y)),
         "n_eval_windows": int(len(held_out.y)),
         "host": host_info(),
         "label_free": None if label_free is None else asdict(label_free),
     }
+
+
+def _adapt(runner, spec: AdaptJobSpec, adapt, labeled: bool):
+    """The measured call: ``Runner.adapt``, or ``adapt_unlabeled`` with ``spec.unlabeled``."""
+    from ..runtime import AdaptResult
+
+    if spec.unlabeled is None:
+        return runner.adapt(adapt.X, adapt.y if labeled else None, epochs=spec.epochs, batch_size=spec.batch_size,
+                            lr=spec.lr, schedule=spec.schedule, seed=spec.seed, progress=False), None
+    from ..runtime.unlabeled import UnlabeledSettings
+
+    label_free = runner.adapt_unlabeled(adapt.X, UnlabeledSettings.from_dict({"seed": spec.seed, **spec.unlabeled}))
+    return AdaptResult(0, label_free.steps, (), label_free.time_s), label_free
 
 
 def run_job_in_subprocess(spec: AdaptJobSpec, workdir: str | os.PathLike, timeout_s: float = 900) -> dict[str, Any]:

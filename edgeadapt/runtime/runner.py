@@ -27,11 +27,11 @@ import numpy as np
 # numpy >= 2 imports numpy.random on first use (~1.2 MiB anonymous): importing it here makes that
 # part of loading the runner, not of the first adapt call's budget
 from numpy.random import default_rng
-from tqdm.auto import tqdm
 
 from ..atomic import atomic_path, staged_directory
 from ..bundle import BundleError, Manifest, bundle_lock, read_manifest, sha256_file, sweep_orphans, write_manifest
 from .backend import OrtTrainingBackend, TrainingBackend
+from .bars import AdaptBar
 from .engines import STATE_ROLES, choose_backend, dropped_roles, kept_roles
 from .portable import PortableBackend
 from ..interrupt import StopAtStepBoundary
@@ -85,7 +85,7 @@ class _Rows:
 
 def _progress_bar(progress: bool, **kwargs):
     """A tqdm bar when ``progress``, else a no-op stand-in that allocates nothing."""
-    return tqdm(leave=False, **kwargs) if progress else _NoBar()
+    return AdaptBar(leave=False, **kwargs) if progress else _NoBar()
 
 SCHEDULES = ("constant", "cosine")
 

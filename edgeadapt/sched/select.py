@@ -24,7 +24,6 @@ import tempfile
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 from .cost import CostModel, activation_arrays, clean_cut, live_bytes
 from .ir import Graph
@@ -321,6 +320,9 @@ def select_milp(problem: SelectionProblem, budget_bytes: int, time_limit_s: floa
     Returns:
         The selection, or ``None`` when no unit fits.
     """
+    # imported on use: the device runner re-plans with sched (cost, replan) without scipy's ~20 MiB
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
     nu, nc, ns = len(problem.units), len(problem.configs), len(problem.splits)
     if nu == 0 or nc == 0:
         return None
