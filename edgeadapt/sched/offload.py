@@ -16,6 +16,10 @@ block graph (one :class:`~edgeadapt.sched.ir.Op` per block) and a budget:
   run as ``ceil(b / m)`` micro-batches whose gradients are accumulated per block;
 * the predicted peak of the compute tier and where it occurs.
 
+A CPU run from the host tier computes on the master weights where they are
+(``weights_in_place``): its weights take no compute-tier bytes and are neither copied nor
+prefetched.
+
 **The search.** Every knob lowers the peak monotonically except the micro-batch size: more
 recompute, a shallower prefetch and a smaller update chunk never raise it (each only removes
 terms below), so for each micro-batch size the smallest peak is the one with every block
@@ -24,8 +28,9 @@ minimum of that over the micro-batch sizes; below it the planner refuses with
 :class:`~edgeadapt.sched.errors.NoFeasiblePlan` naming it. At or above it the planner returns
 the first plan that fits in this preference order (fastest first):
 
-1. the fewest micro-batches (each one reads every block's weights again, and accumulating a
-   gradient costs a pass over it);
+1. the fewest micro-batches (each one reads every block's weights again, runs smaller kernels,
+   and accumulating a gradient costs a pass over it; on the host tier, where no weights move,
+   four micro-batches of one window measured as slow as recomputing 18 of 24 GPT blocks);
 2. an update chunk of at least :data:`FAST_CHUNK_NUMEL` elements (smaller chunks multiply the
    disk tier's reads and writes);
 3. the deepest prefetch up to the requested depth (prefetch hides the tier's reads);
@@ -149,7 +154,7 @@ class BlockCost:
 
 def block_costs(graph: Graph, batch_windows: int, *, optimizer: str = "adamw",
                 staging: bool = False, staging_chunk_bytes: int | None = None,
-                accumulate: bool = False) -> list[BlockCost]:
+                accumulate: bool = False, weights_in_place: bool = False) -> list[BlockCost]:
     """Per-block byte counts in execution order.
 
     Args:
@@ -162,6 +167,8 @@ def block_costs(graph: Graph, batch_windows: int, *, optimizer: str = "adamw",
             time (``None``: a whole block at once).
         accumulate: gradients are accumulated over micro-batches in the state's tier (a staged
             update then also stages the accumulator's chunk).
+        weights_in_place: the blocks compute on the master weights where they live (a CPU run
+            from the host tier): no compute-tier bytes for weights (``weight_bytes`` 0).
     """
     if optimizer not in OPTIMIZER_STATE_COPIES:
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATE_COPIES)}, got {optimizer!r}")
@@ -173,10 +180,11 @@ def block_costs(graph: Graph, batch_windows: int, *, optimizer: str = "adamw",
         per_vector = w if staging_chunk_bytes is None else min(w, staging_chunk_bytes)
         # master weights + optimizer state (+ accumulator) + one temporary of the vectorised update
         st = per_vector * vectors if staging else 0
+        held = 0 if weights_in_place else w
         if op.kind == RESIDENT_KIND:
-            out.append(BlockCost(op.name, w, w, st, 0, 0, 0, resident=True))
+            out.append(BlockCost(op.name, held, w, st, 0, 0, 0, resident=True))
             continue
-        out.append(BlockCost(op.name, w, w, st, op.saved_bytes * batch_windows, op.output_bytes * batch_windows,
+        out.append(BlockCost(op.name, held, w, st, op.saved_bytes * batch_windows, op.output_bytes * batch_windows,
                              prev_out * batch_windows))
         prev_out = op.output_bytes
     return out
@@ -249,7 +257,8 @@ class _Setting:
 def plan_offload(graph: Graph, budget_bytes: int, *, batch_windows: int = 1, tier: str = "host",
                  optimizer: str = "adamw", recompute: bool | str | None = "auto", prefetch_depth: int = 1,
                  resident_bytes: int = 0, staging: bool | None = None,
-                 staging_chunk_bytes: int | None = None, max_micro_batches: int = 1) -> Plan:
+                 staging_chunk_bytes: int | None = None, max_micro_batches: int = 1,
+                 weights_in_place: bool = False) -> Plan:
     """Plan a streaming training step of ``graph`` under ``budget_bytes`` of compute memory.
 
     Searches recompute per block, the update chunk, the prefetch depth and the micro-batch size
@@ -273,6 +282,8 @@ def plan_offload(graph: Graph, budget_bytes: int, *, batch_windows: int = 1, tie
             :data:`CHUNK_CANDIDATES_NUMEL` (and whole blocks).
         max_micro_batches: the most micro-batches a step may be split into (1: none; the
             executor then accumulates gradients per block and updates after the last one).
+        weights_in_place: the blocks compute on the master weights in the host tier (a CPU run
+            from the host tier: the weights take no compute-tier bytes and prefetch none).
 
     Returns:
         A :class:`Plan` with every parameter ``full`` on ``tier``, ``order`` = block order,
@@ -288,6 +299,8 @@ def plan_offload(graph: Graph, budget_bytes: int, *, batch_windows: int = 1, tie
     """
     if tier not in ("host", "disk"):
         raise ValueError(f"tier must be 'host' or 'disk', got {tier!r}")
+    if weights_in_place and tier != "host":
+        raise ValueError("weights_in_place needs the host tier (the disk tier's weights are read into memory)")
     if recompute not in (None, False, True, "auto"):
         raise ValueError(f"recompute must be False, True or 'auto', got {recompute!r}")
     if prefetch_depth < 0 or batch_windows < 1 or budget_bytes <= 0 or max_micro_batches < 1:
@@ -312,7 +325,7 @@ def plan_offload(graph: Graph, budget_bytes: int, *, batch_windows: int = 1, tie
         if key not in cache:
             cache[key] = block_costs(graph, mb, optimizer=optimizer, staging=staging,
                                      staging_chunk_bytes=4 * chunk,
-                                     accumulate=mb < batch_windows)
+                                     accumulate=mb < batch_windows, weights_in_place=weights_in_place)
         return cache[key]
 
     def fit(mb: int, depth: int, chunk: int) -> _Setting | None:
@@ -349,22 +362,20 @@ def plan_offload(graph: Graph, budget_bytes: int, *, batch_windows: int = 1, tie
         _refuse(graph, least, costs_of(least.micro_windows, least.chunk_numel), fixed, budget_bytes,
                 batch_windows, optimizer, recompute)
 
-    chosen = None
     fast = [c for c in chunks if c >= FAST_CHUNK_NUMEL] or chunks[:1]
     slow = [c for c in chunks if c not in fast]
-    for mb in micro:
+
+    def best_for(mb: int) -> _Setting | None:
+        """The preferred plan with micro-batches of ``mb`` windows (orders 2 to 5), or None."""
         for group in (fast, slow):
-            for depth in range(prefetch_depth, -1, -1):
+            for depth in range(0 if weights_in_place else prefetch_depth, -1, -1):
                 found = [s for s in (fit(mb, depth, c) for c in group) if s is not None]
                 if found:
-                    chosen = min(found, key=lambda s: (_recomputed_bytes(s, costs_of(mb, s.chunk_numel)),
-                                                       -s.chunk_numel))
-                    break
-            if chosen:
-                break
-        if chosen:
-            break
-    assert chosen is not None, "the smallest setting fits, so the search finds one"
+                    return min(found, key=lambda s: (_recomputed_bytes(s, costs_of(mb, s.chunk_numel)),
+                                                     -s.chunk_numel))
+        return None
+
+    chosen = next(s for s in map(best_for, micro) if s is not None)  # the smallest setting fits: one does
     costs = costs_of(chosen.micro_windows, chosen.chunk_numel)
     ptier = Tier(tier)
     return Plan(

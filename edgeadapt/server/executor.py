@@ -321,10 +321,23 @@ class StreamingExecutor:
                 ev.synchronize()  # the pinned source must outlive the copy
         return (slot.flat if refill else dst), ev
 
+    @property
+    def weights_in_place(self) -> bool:
+        """The blocks compute on the master weights themselves: a CPU run from the host tier, whose
+        master weights already are in the memory the CPU computes in (no copy, no compute-tier
+        bytes; each block's update comes after its backward, so no kept graph sees it change)."""
+        return self.device.type == "cpu" and self.store.in_place()
+
     def prefetch(self, index: int) -> None:
         """Start bringing block ``index`` in (no-op unless offloaded)."""
         slot = self.slots[index]
         if slot.state is not Residency.OFFLOADED:
+            return
+        if self.weights_in_place:
+            if slot.flat is None:
+                slot.flat = self.store.read(slot.index, "param")
+                slot.leaves = [v.requires_grad_() for v in slot.views(slot.flat)]
+            slot.state = Residency.RESIDENT
             return
         self.ledger.reserve(f"weights:{slot.name}", slot.weight_bytes)
         slot.state = Residency.INFLIGHT
@@ -354,7 +367,8 @@ class StreamingExecutor:
             slot.future.result()
             slot.future = None
         if keep_storage_object and slot.flat is not None:
-            slot.flat.untyped_storage().resize_(0)
+            if not self.weights_in_place:  # the master weights themselves are never freed
+                slot.flat.untyped_storage().resize_(0)
         else:
             slot.flat, slot.leaves = None, None
         if slot.resident and slot.placeholders is not None:

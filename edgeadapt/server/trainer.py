@@ -109,7 +109,8 @@ def offload_plan(graph: Graph, batch: int, *, budget_bytes: int | None, offload:
         prefetch_depth=prefetch_depth, resident_bytes=buffer_bytes,
         staging=offload == "disk" and device.type == "cpu",
         staging_chunk_bytes=None if update_chunk_numel is None else 4 * update_chunk_numel,
-        max_micro_batches=batch if max_micro_batches is None else min(batch, max_micro_batches))
+        max_micro_batches=batch if max_micro_batches is None else min(batch, max_micro_batches),
+        weights_in_place=offload == "host" and device.type == "cpu")
     log.info("offload plan for %d windows: predicted peak %s at %s, prefetch %d, update chunk %d, "
              "micro-batches of %d, recompute %s", batch, format_bytes(plan.predicted.peak_bytes),
              plan.predicted.where, plan.prefetch_depth, plan.update_chunk_numel, plan.micro_batch_windows,

@@ -21,6 +21,7 @@ from edgeadapt.sched import Graph, NoFeasiblePlan, Op, Param
 from edgeadapt.sched.offload import (CHUNK_CANDIDATES_NUMEL, block_costs, micro_batch_sizes, offload_peak,
                                      plan_offload)
 from edgeadapt.server import Trainer, trace_graph
+from edgeadapt.server.trainer import offload_plan
 
 
 class PreNormBlock(nn.Module):
@@ -157,7 +158,7 @@ def test_prenorm_mlp_at_an_eighth_of_its_state_trains_bit_identically(offload, a
     model = make_prenorm()
     budget = state_bytes(model) // 8
     t = Trainer(model, optimizer=adamw, memory_budget=budget, offload=offload, offload_dir=tmp_path / "state",
-                device="cpu", example_input=data[0][0])      # recompute="auto" and the chunk: the planner's
+                device="cpu", example_input=data[0][0], max_micro_batches=1)  # recompute, chunk: the planner's
     for x, y in data:
         t.step(x, y)
     plan = t.plan
@@ -209,7 +210,7 @@ def test_micro_batches_when_the_whole_batch_cannot_fit_accumulate_like_torch(off
     data = prenorm_batches(2, batch=30)
     graph = trace_graph(make_prenorm(), data[0][0])
     with pytest.raises(NoFeasiblePlan) as e:
-        plan_offload(graph, 1, batch_windows=30, tier=offload, staging=offload == "disk")
+        offload_plan(graph, 30, budget_bytes=1, offload=offload, device=torch.device("cpu"), max_micro_batches=1)
     budget = e.value.need_bytes - 1      # one byte below the least whole-batch plan
     t = Trainer(make_prenorm(), optimizer=adamw, memory_budget=budget, offload=offload,
                 offload_dir=tmp_path / "state", device="cpu", example_input=data[0][0])
