@@ -128,8 +128,10 @@ class BlockCost:
         weight_bytes: its parameters.
         grad_bytes: its gradients (same as ``weight_bytes``).
         staging_bytes: master weights + optimizer state (+ the gradient accumulator's chunk
-            with micro-batches) staged for the update in the compute tier's memory, plus one
-            temporary of the same size (0 when the update runs elsewhere).
+            with micro-batches) staged for the update in the compute tier's memory, for two
+            chunks at once when the block takes more than one (the next one is read while this
+            one is updated and written behind), plus one temporary of a chunk (0 when the
+            update runs elsewhere).
         saved_bytes: what its backward keeps (``b`` windows).
         output_bytes: its output (``b`` windows).
         input_bytes: its input (``b`` windows): the previous block's output or the batch.
@@ -172,14 +174,15 @@ def block_costs(graph: Graph, batch_windows: int, *, optimizer: str = "adamw",
     """
     if optimizer not in OPTIMIZER_STATE_COPIES:
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATE_COPIES)}, got {optimizer!r}")
-    vectors = 2 + OPTIMIZER_STATE_COPIES[optimizer] + int(accumulate)
+    vectors = 1 + OPTIMIZER_STATE_COPIES[optimizer] + int(accumulate)
     out: list[BlockCost] = []
     prev_out = graph.input_bytes
     for op in graph.ops:
         w = sum(graph.param(p).param_bytes for p in op.params)
         per_vector = w if staging_chunk_bytes is None else min(w, staging_chunk_bytes)
-        # master weights + optimizer state (+ accumulator) + one temporary of the vectorised update
-        st = per_vector * vectors if staging else 0
+        chunks_in_flight = 1 if per_vector >= w else 2  # the update reads the next chunk while writing this one
+        # master weights + optimizer state (+ accumulator) per chunk in flight + one temporary of the update
+        st = per_vector * (vectors * chunks_in_flight + 1) if staging else 0
         held = 0 if weights_in_place else w
         if op.kind == RESIDENT_KIND:
             out.append(BlockCost(op.name, held, w, st, 0, 0, 0, resident=True))

@@ -167,7 +167,7 @@ class StreamingExecutor:
         self._updater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgeadapt-update")
         self._pending: list[Future] = []
         # the disk tier's update reads and writes its vectors (weights, moments) concurrently
-        self._io = ThreadPoolExecutor(max_workers=3, thread_name_prefix="edgeadapt-io")
+        self._io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="edgeadapt-io")
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.set_plan(plan)
         self._originals: dict[int, Callable] = {}
@@ -552,30 +552,55 @@ class StreamingExecutor:
 
     def _apply_chunked(self, slot: BlockSlot, present: list[int], gl: list[torch.Tensor], had: frozenset[int],
                        final: bool) -> None:
+        """The staged update, pipelined over chunks on the I/O threads: while chunk ``i`` is updated,
+        chunk ``i + 1`` is read, and chunk ``i``'s writes run behind; chunk ``i + 1``'s reads start only
+        once chunk ``i - 1``'s writes are done, so at most two chunks' vectors are staged at once (the
+        planner counts two, plus one temporary of the update)."""
         flat_grads = {i: g.reshape(-1) for i, g in zip(present, gl)}
         kinds = ("param", *self.optimizer.state_kinds) if final else ()
         staged_here = self.device.type == "cpu"
         idx = sorted(set(flat_grads) | had)
+        chunks = []
         for a in range(0, slot.numel, self.chunk_numel):
             b = min(slot.numel, a + self.chunk_numel)
             parts = [(i, max(a, slot.offsets[i]), min(b, slot.offsets[i] + slot.shapes[i].numel())) for i in idx]
             parts = [(i, lo, hi) for i, lo, hi in parts if lo < hi]
-            if not parts:
-                continue
-            read_acc = any(i in had for i, _, _ in parts)
-            if not final and not read_acc:  # the first micro-batch's gradients go straight to the accumulator
+            if parts:
+                chunks.append((a, b, parts, any(i in had for i, _, _ in parts)))
+        if not final:  # the first micro-batch's gradients go straight to the accumulator
+            for a, b, parts, read_acc in [c for c in chunks if not c[3]]:
                 for i, lo, hi in parts:
                     o = slot.offsets[i]
                     self.store.write_range(slot.index, ACCUMULATOR, lo, flat_grads[i][lo - o:hi - o])
-                continue
+            chunks = [c for c in chunks if c[3]]
+        key = f"staging:{slot.name}"
+        inflight: dict[int, tuple[dict[str, Future], list[Future]]] = {}  # chunk -> (reads, writes)
+
+        def start_reads(j: int) -> None:
+            a, b, _, read_acc = chunks[j]
+            reads = [*kinds, ACCUMULATOR] if read_acc else list(kinds)
             if staged_here:
-                # the staged vectors plus one chunk-sized temporary of the foreach AdamW (its sqrt)
-                vectors = (len(kinds) + 1 if final else 0) + int(read_acc)
-                self.ledger.reserve(f"staging:{slot.name}", 4 * (b - a) * vectors)
+                self.ledger.reserve(f"{key}:{j % 2}", 4 * (b - a) * len(reads))
+            inflight[j] = ({k: self._io.submit(self.store.read_range, slot.index, k, a, b - a) for k in reads}, [])
+
+        def finish(j: int) -> None:
+            """Wait for chunk ``j``'s reads and writes; release its staged bytes."""
+            reads, writes = inflight.pop(j)
             try:
-                reads = [*kinds, ACCUMULATOR] if read_acc else list(kinds)
-                futs = {k: self._io.submit(self.store.read_range, slot.index, k, a, b - a) for k in reads}
-                bufs = {k: f.result() for k, f in futs.items()}
+                for f in [*reads.values(), *writes]:
+                    f.result()
+            finally:
+                self.ledger.release(f"{key}:{j % 2}")
+
+        try:
+            if chunks:
+                start_reads(0)
+            for j, (a, b, parts, read_acc) in enumerate(chunks):
+                bufs = {k: f.result() for k, f in inflight[j][0].items()}
+                if j >= 1:
+                    finish(j - 1)  # its writes are done before the next chunk's reads take its room
+                if j + 1 < len(chunks):
+                    start_reads(j + 1)
                 pieces: dict[str, list[torch.Tensor]] = {k: [] for k in kinds}
                 gp, sp = [], []
                 for i, lo, hi in parts:
@@ -590,17 +615,23 @@ class StreamingExecutor:
                         pieces[k].append(bufs[k][lo - a:hi - a])
                     gp.append(g)
                     sp.append(slot.steps[i])
-                if not final:
-                    writes = {ACCUMULATOR: bufs[ACCUMULATOR]}
-                else:
-                    update_block(self.optimizer, pieces["param"], gp,
-                                 {k: pieces[k] for k in self.optimizer.state_kinds}, sp, lr=self.lr)
+                if final:
+                    if staged_here:  # one chunk-sized temporary of the foreach AdamW (its sqrt)
+                        self.ledger.reserve(f"{key}:temp", 4 * (b - a))
+                    try:
+                        update_block(self.optimizer, pieces["param"], gp,
+                                     {k: pieces[k] for k in self.optimizer.state_kinds}, sp, lr=self.lr)
+                    finally:
+                        self.ledger.release(f"{key}:temp")
                     writes = {k: bufs[k] for k in kinds}
-                for f in [self._io.submit(self.store.write_range, slot.index, k, a, v) for k, v in writes.items()]:
-                    f.result()
+                else:
+                    writes = {ACCUMULATOR: bufs[ACCUMULATOR]}
+                inflight[j][1].extend(self._io.submit(self.store.write_range, slot.index, k, a, v)
+                                      for k, v in writes.items())
                 del bufs, pieces, gp
-            finally:
-                self.ledger.release(f"staging:{slot.name}")
+        finally:
+            for j in sorted(inflight):
+                finish(j)
 
     def close(self) -> None:
         self.wait_updates()
