@@ -30,6 +30,7 @@ from torch.func import functional_call
 
 from edgeadapt.bundle import read_manifest
 from edgeadapt.export.objectives import torch_loss
+from edgeadapt.export.selfcheck import compare_step
 
 EPS32 = float(np.finfo(np.float32).eps)
 GRAD_RTOL, ZERO, LOSS_RTOL, STAT_RTOL = 2e-5, 1e-7, 1e-6, 1e-5
@@ -147,3 +148,45 @@ def torch_optimizer(leaves: list[torch.Tensor], opt: dict, lr: float) -> torch.o
         return torch.optim.AdamW(leaves, lr=lr, betas=tuple(opt["betas"]), eps=opt["eps"],
                                  weight_decay=opt["weight_decay"])
     return torch.optim.SGD(leaves, lr=lr)
+
+
+def synced_steps(bundle, model, data: tuple[np.ndarray, np.ndarray], batch: int, lr: float, n_terms: int
+                 ) -> tuple[dict, dict]:
+    """Steps over ``data`` in batches of ``batch`` where both sides start each step from the graphs'
+    parameters; returns the worst fraction of each allowance (<= 1 passes) and the final graph
+    parameters. ``n_terms``: the longest sum of a weight gradient (batch x output positions)."""
+    graphs = PortableGraphs(bundle)
+    ref = TorchReference(model, graphs, graphs.manifest.batch_statistics)
+    params = dict(graphs.params)
+    opt = graphs.manifest.optimizer
+    moments = {k: {n: np.zeros_like(params[n]) for n in graphs.trained} for k in ("exp_avg", "exp_avg_sq")
+               } if opt["name"] == "adamw" else {}
+    leaves = {n: torch.tensor(params[n], requires_grad=True) for n in graphs.trained}
+    torch_opt = torch_optimizer(list(leaves.values()), opt, lr)
+    worst = {"grad": 0.0, "loss": 0.0, "step": 0.0, "stat": 0.0}
+    X, Y = data
+    for s in range(len(X) // batch):
+        x, y = X[s * batch:(s + 1) * batch], Y[s * batch:(s + 1) * batch]
+        got = graphs.train(params, x, y)
+        loss64, g64, stats64 = ref.loss_grads(params, x, y, torch.float64)
+        _, g32, _ = ref.loss_grads(params, x, y, torch.float32)
+        grads = {n: got[f"grad:{n}"] for n in graphs.trained}
+        worst["grad"] = max(worst["grad"], *grad_deviations(grads, g64, g32, n_terms=n_terms).values())
+        worst["loss"] = max(worst["loss"], abs(float(got["loss"]) - loss64) / (LOSS_RTOL * abs(loss64)))
+        for r, v in got.items():
+            if r.startswith("stat:"):
+                want = stats64[r[5:]]
+                worst["stat"] = max(worst["stat"], norm(v - want) / (STAT_RTOL * norm(want)))
+        new = graphs.optimizer(params, grads, moments, s + 1, lr)
+        with torch.no_grad():
+            for n, leaf in leaves.items():
+                leaf.copy_(torch.from_numpy(params[n]))
+                leaf.grad = torch.from_numpy(grads[n].copy())
+        torch_opt.step()
+        want = {n: leaf.detach().numpy().copy() for n, leaf in leaves.items()}
+        got_step = {n: new[f"param:{n}"] for n in graphs.trained}
+        worst["step"] = max(worst["step"], *(d.ratio for d in compare_step(params, got_step, want)))
+        params = {**params, **got_step, **{r[5:]: v for r, v in got.items() if r.startswith("stat:")}}
+        for kind in moments:
+            moments[kind] = {n: new[f"{kind}:{n}"] for n in graphs.trained}
+    return worst, params

@@ -3,7 +3,7 @@
 The portable step graphs are derived from the very ONNX model the ONNX Runtime training
 artifacts are generated from (the exported model after op rewrites, or the suffix of its split):
 this interpreter runs that model's nodes with one torch function per ONNX op, only for the ops
-the exporter emits. Any other op raises :class:`~export.graph.UnsupportedOpError` naming the op
+the exporter emits. Any other op raises :class:`~export.unsupported.UnsupportedOpError` naming the op
 and the modules using it.
 
 Shape arithmetic (``Shape`` -> ``Gather`` -> ``Concat`` -> ``Reshape``, integer constants) is
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from onnx import numpy_helper
 
-from ..graph import UnsupportedOpError, module_of_node
+from ..unsupported import UnsupportedOpError, module_of_node
 
 __all__ = ["Ints", "BatchNormStats", "run_graph", "SUPPORTED_OPS", "check_supported"]
 
@@ -408,8 +408,9 @@ def _batch_norm(node, args, attrs, bn: BatchNormStats):
         batch_mean = x.mean(axes)
         batch_var = ((x - batch_mean.reshape(shape)) ** 2).mean(axes)
         momentum = attrs.get("momentum", 0.9)
-        # values per channel as a tensor (a symbolic int would become a scalar the ONNX exporter rejects)
-        count = torch.ones_like(x[:1, :1]).expand(x.shape[:1] + (1,) + x.shape[2:]).sum()
+        # values per channel, as a tensor computed from x's values only (a symbolic size would
+        # become a scalar the ONNX exporter rejects, or a Shape of another graph input)
+        count = torch.ones_like(x[:, 0]).sum()
         with torch.no_grad():
             bn.updated[node.input[3]] = mean * momentum + batch_mean.detach() * (1 - momentum)
             bn.updated[node.input[4]] = var * momentum + batch_var.detach() * (count / (count - 1)) * (1 - momentum)

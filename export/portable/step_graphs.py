@@ -135,6 +135,42 @@ def _check(model: onnx.ModelProto, what: str) -> None:
     onnx.checker.check_model(model, full_check=True)
 
 
+_LOSSES = "__per_window_loss"  # an extra train output while its forward graphs are cut out
+
+
+def _without_output(graph: PortableGraph, role: str) -> PortableGraph:
+    """``graph`` without its output of ``role`` (the nodes stay: the loss reads them)."""
+    model = onnx.ModelProto()
+    model.CopyFrom(graph.model)
+    index = [r for r, _ in graph.outputs].index(role)
+    del model.graph.output[index]
+    return PortableGraph(model, graph.inputs, tuple(p for p in graph.outputs if p[0] != role))
+
+
+def _forward_of(train: PortableGraph, roles: list[str], what: str) -> PortableGraph:
+    """The part of the (full) train graph that computes ``roles`` (``loss``: the mean of its
+    per-window losses) from the parameters, data and labels: its forward, without weights."""
+    from onnx import helper
+    from onnx.utils import Extractor
+
+    names = dict(train.outputs)
+    inputs = [(r, n) for r, n in train.inputs if r != "weights"]
+    wanted = [names[_LOSSES] if r == "loss" else names[r] for r in roles]
+    model = Extractor(train.model).extract_model([n for _, n in inputs], wanted)
+    mean = f"{names[_LOSSES]}_mean"
+    model.graph.node.append(helper.make_node("ReduceMean", [names[_LOSSES]], [mean], keepdims=0, name=mean))
+    for i, r in enumerate(roles):
+        if r == "loss":
+            model.graph.output[i].CopyFrom(helper.make_tensor_value_info(mean, onnx.TensorProto.FLOAT, []))
+    model.ir_version = train.model.ir_version
+    model.graph.name = what
+    _check(model, what)
+    outputs = tuple((r, o.name) for r, o in zip(roles, model.graph.output))
+    if [i.name for i in model.graph.input] != [n for _, n in inputs]:
+        raise RuntimeError(f"internal: the {what} graph cut from the train graph lost inputs")
+    return PortableGraph(model, tuple(inputs), outputs)
+
+
 def build_step_graphs(model: onnx.ModelProto, entries: Sequence[ParameterEntry], loss: str, batchnorm: str,
                       data: np.ndarray, labels: np.ndarray | None) -> dict[str, PortableGraph]:
     """Trace and export the train, eval and (``batchnorm="batch"``) statistics graphs of ``model``.
@@ -179,20 +215,16 @@ def build_step_graphs(model: onnx.ModelProto, entries: Sequence[ParameterEntry],
         y = rest[0] if with_labels else None
         weights = rest[-1]
         out, stats = forward(values, x, batchnorm == "batch")
-        total = (per_window_loss(loss, out, y) * weights).sum()
+        per_window = per_window_loss(loss, out, y)
+        total = (per_window * weights).sum()
         grads = torch.autograd.grad(total, [variables[n] for n in trained], allow_unused=True)
         grads = [torch.zeros_like(variables[n]) if g is None else g for n, g in zip(trained, grads)]
-        return (total.detach(), out.detach(), *grads, *stats)
+        return (total.detach(), out.detach(), *grads, *stats, per_window.detach())
 
     def evaluate(*args):
         out, _ = forward(list(args[:n_p]), args[n_p], False)
         y = args[n_p + 1] if with_labels else None
         return per_window_loss(loss, out, y).mean(), out
-
-    def statistics(*args):
-        out, stats = forward(list(args[:n_p]), args[n_p], True)
-        y = args[n_p + 1] if with_labels else None
-        return (*stats, per_window_loss(loss, out, y).mean())
 
     data_roles = [("data", data)] + ([("labels", labels)] if with_labels else [])
     param_roles = [f"param:{n}" for n in params]
@@ -212,8 +244,14 @@ def build_step_graphs(model: onnx.ModelProto, entries: Sequence[ParameterEntry],
 
     stat_roles = [f"stat:{n}" for n in stat_names]
     make("portable_train", train, [("weights", weights)],
-         ["loss", "output", *[f"grad:{n}" for n in trained], *stat_roles])
-    make("portable_eval", evaluate, [], ["loss", "output"])
+         ["loss", "output", *[f"grad:{n}" for n in trained], *stat_roles, _LOSSES])
+    full_train = out["portable_train"]
+    out["portable_train"] = _without_output(full_train, _LOSSES)
+    # The forward of the train graph normalises as the eval graph (frozen statistics) or as the
+    # statistics graph (batch statistics): that graph is cut out of it instead of traced again.
     if batchnorm == "batch" and stat_names:
-        make("portable_stats", statistics, [], [*stat_roles, "loss"])
+        make("portable_eval", evaluate, [], ["loss", "output"])
+        out["portable_stats"] = _forward_of(full_train, [*stat_roles, "loss"], "portable_stats")
+    else:
+        out["portable_eval"] = _forward_of(full_train, ["loss", "output"], "portable_eval")
     return out

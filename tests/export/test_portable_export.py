@@ -11,13 +11,11 @@ import onnx
 import pytest
 import torch
 from helpers import make_cnn, run_python
-from portable_parity import (LOSS_RTOL, STAT_RTOL, PortableGraphs, TorchReference, grad_deviations, norm,
-                             torch_optimizer)
+from portable_parity import PortableGraphs, synced_steps
 
 from edgeadapt.bundle import read_manifest
 from edgeadapt.export import OptimizerConfig, Rule, UpdatePolicy, export_bundle
 from edgeadapt.export.portable.optimizer_graph import optimizer_graph
-from edgeadapt.export.selfcheck import compare_step
 from edgeadapt.runtime import Runner
 
 STEPS, BATCH, LR = 10, 4, 1e-2
@@ -76,48 +74,8 @@ def test_manifest_and_graph_form(both_bundle):
         assert {r[6:] for r, _ in train["inputs"] if r.startswith("param:")} <= set(z.files)
 
 
-def _synced_steps(bundle, model, n_steps: int) -> tuple[dict, dict]:
-    """``n_steps`` steps where both sides start each step from the graphs' parameters; returns
-    the worst fraction of each allowance and the final graph parameters."""
-    graphs = PortableGraphs(bundle)
-    ref = TorchReference(model, graphs, graphs.manifest.batch_statistics)
-    params = dict(graphs.params)
-    opt = graphs.manifest.optimizer
-    moments = {k: {n: np.zeros_like(params[n]) for n in graphs.trained} for k in ("exp_avg", "exp_avg_sq")
-               } if opt["name"] == "adamw" else {}
-    leaves = {n: torch.tensor(params[n], requires_grad=True) for n in graphs.trained}
-    torch_opt = torch_optimizer(list(leaves.values()), opt, LR)
-    worst = {"grad": 0.0, "loss": 0.0, "step": 0.0, "stat": 0.0}
-    X, Y = _data(n_steps * BATCH, seed=2)
-    for s in range(n_steps):
-        x, y = X[s * BATCH:(s + 1) * BATCH], Y[s * BATCH:(s + 1) * BATCH]
-        got = graphs.train(params, x, y)
-        loss64, g64, stats64 = ref.loss_grads(params, x, y, torch.float64)
-        _, g32, _ = ref.loss_grads(params, x, y, torch.float32)
-        grads = {n: got[f"grad:{n}"] for n in graphs.trained}
-        worst["grad"] = max(worst["grad"], *grad_deviations(grads, g64, g32, n_terms=BATCH * 16).values())
-        worst["loss"] = max(worst["loss"], abs(float(got["loss"]) - loss64) / (LOSS_RTOL * abs(loss64)))
-        for r, v in got.items():
-            if r.startswith("stat:"):
-                want = stats64[r[5:]]
-                worst["stat"] = max(worst["stat"], norm(v - want) / (STAT_RTOL * norm(want)))
-        new = graphs.optimizer(params, grads, moments, s + 1, LR)
-        with torch.no_grad():
-            for n, leaf in leaves.items():
-                leaf.copy_(torch.from_numpy(params[n]))
-                leaf.grad = torch.from_numpy(grads[n].copy())
-        torch_opt.step()
-        want = {n: leaf.detach().numpy().copy() for n, leaf in leaves.items()}
-        got_step = {n: new[f"param:{n}"] for n in graphs.trained}
-        worst["step"] = max(worst["step"], *(d.ratio for d in compare_step(params, got_step, want)))
-        params = {**params, **got_step, **{r[5:]: v for r, v in got.items() if r.startswith("stat:")}}
-        for kind in moments:
-            moments[kind] = {n: new[f"{kind}:{n}"] for n in graphs.trained}
-    return worst, params
-
-
 def test_ten_adamw_steps_match_torch(both_bundle):
-    worst, params = _synced_steps(both_bundle, make_cnn(), STEPS)
+    worst, params = synced_steps(both_bundle, make_cnn(), _data(STEPS * BATCH, seed=2), BATCH, LR, n_terms=BATCH * 16)
     assert worst["grad"] <= 1 and worst["loss"] <= 1 and worst["step"] <= 1, worst
     graphs = PortableGraphs(both_bundle)
     trained = set(graphs.trained)
@@ -137,7 +95,7 @@ def test_ten_adamw_steps_match_torch(both_bundle):
 def test_batch_statistics_graphs_match_torch(batch_bundle):
     m = read_manifest(batch_bundle)
     assert "portable_stats" in m.files
-    worst, _ = _synced_steps(batch_bundle, make_cnn(), 3)
+    worst, _ = synced_steps(batch_bundle, make_cnn(), _data(3 * BATCH, seed=2), BATCH, LR, n_terms=BATCH * 16)
     assert worst["grad"] <= 1 and worst["loss"] <= 1 and worst["step"] <= 1 and worst["stat"] <= 1, worst
     assert worst["stat"] > 0  # statistics were compared
     # the statistics graph gives the train graph's statistics
