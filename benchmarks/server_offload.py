@@ -88,12 +88,12 @@ def worker(args: argparse.Namespace) -> dict:
                 return float(loss.detach())
             trainer = None
         else:
-            from edgeadapt.export import OptimizerConfig
+            from edgeadapt.optimizer_config import OptimizerConfig
             from edgeadapt.server import Trainer
 
             trainer = Trainer(model, loss=token_cross_entropy,
                               optimizer=OptimizerConfig("adamw", lr=1e-3, weight_decay=0.01),
-                              memory_budget=args.budget, offload=args.worker, offload_dir=Path(tmp) / "state",
+                              memory_budget=int(args.budget), offload=args.worker, offload_dir=Path(tmp) / "state",
                               device="cpu", recompute="auto", example_input=batches[0][0])
             del model
 
@@ -121,6 +121,11 @@ def worker(args: argparse.Namespace) -> dict:
         result["peak_anon_delta_bytes"] = max(0, anon.peak_bytes - base["RssAnon"])
         if trainer is not None:
             result["tracked_peak_bytes"] = int(trainer.tracked_peak_bytes)
+            plan = trainer.plan
+            result["plan"] = {"recomputed": len(plan.recomputed), "blocks": len(plan.activations),
+                              "micro_batch_windows": plan.micro_batch_windows,
+                              "update_chunk_numel": plan.update_chunk_numel, "prefetch_depth": plan.prefetch_depth,
+                              "predicted_peak_bytes": plan.predicted.peak_bytes}
             residency = trainer.residency()
             result["residency"] = residency if isinstance(residency, dict) else str(residency)
             close = getattr(trainer, "close", None)
@@ -129,11 +134,11 @@ def worker(args: argparse.Namespace) -> dict:
     return result
 
 
-def _run_worker(mode: str, args: argparse.Namespace) -> dict:
+def _run_worker(mode: str, args: argparse.Namespace, budget: int | None) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = Path(f.name)
     cmd = [sys.executable, __file__, "--worker", mode, "--json", str(out), "--steps", str(args.steps),
-           "--threads", str(args.threads), "--budget", args.budget, "--batch-size", str(args.batch_size),
+           "--threads", str(args.threads), "--budget", str(budget or 0), "--batch-size", str(args.batch_size),
            "--vocab-size", str(args.vocab_size), "--context-len", str(args.context_len),
            "--d-model", str(args.d_model), "--n-layers", str(args.n_layers), "--n-heads", str(args.n_heads)]
     if args.offload_dir:
@@ -181,13 +186,24 @@ def planner_figures(args: argparse.Namespace) -> dict:
 
 
 # ---- main -------------------------------------------------------------------------------
+def _load() -> float:
+    return os.getloadavg()[0]
+
+
+def _spread(values: list[float]) -> str:
+    return (f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})" if len(values) > 1
+            else f"{values[0]:.2f}x")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=5, help="timed steps per mode (after one warm-up step)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per run (after one warm-up step)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="interleaved rounds: each round runs in-memory, then host and disk at every ratio")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (default 1: the other core is left to the prefetch thread, and "
                         "2 spinning OpenMP threads on a shared 2-core machine measured up to 10x slower)")
-    p.add_argument("--budget", default="36MiB", help="compute-tier memory budget of the offloaded runs")
+    p.add_argument("--ratios", default="8,32", help="state / budget ratios of the offloaded runs (comma-separated)")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--vocab-size", type=int, default=512)
     p.add_argument("--context-len", type=int, default=64)
@@ -199,6 +215,7 @@ def main() -> int:
     p.add_argument("--offload-dir", default=None, help="folder for the disk tier's files (default: the temp dir)")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "server_offload.json"))
     p.add_argument("--worker", choices=("memory", "host", "disk"), help=argparse.SUPPRESS)
+    p.add_argument("--budget", help=argparse.SUPPRESS)  # a worker's budget in bytes
     p.add_argument("--json", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -206,17 +223,17 @@ def main() -> int:
         return 0
 
     from edgeadapt.models import GPTConfig
-    from edgeadapt.sched.plan import parse_bytes
 
     cfg = GPTConfig(**_gpt_kwargs(args))
-    budget = parse_bytes(args.budget)
     state = 16 * cfg.n_params             # fp32 weights + gradients + two AdamW moments
+    ratios = [float(r) for r in args.ratios.split(",")]
+    budgets = {r: int(state / r) for r in ratios}
     print(f"model: GPT {cfg.n_layers} blocks, d_model {cfg.d_model}, vocab {cfg.vocab_size}, context "
-          f"{cfg.context_len}: {cfg.n_params:,} parameters; params+grads+AdamW state {state / MIB:.1f} MiB "
-          f"= {state / budget:.1f}x the budget of {budget / MIB:.1f} MiB")
+          f"{cfg.context_len}: {cfg.n_params:,} parameters; params+grads+AdamW state {state / MIB:.1f} MiB; budgets "
+          + ", ".join(f"{budgets[r] / MIB:.2f} MiB (state {r:g}x)" for r in ratios))
     print(f"batch {args.batch_size} x {args.context_len} tokens, {args.steps} timed steps after 1 warm-up, "
-          f"torch threads {args.threads} (OMP_WAIT_POLICY=PASSIVE), {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+          f"{args.rounds} interleaved rounds, torch threads {args.threads} (OMP_WAIT_POLICY=PASSIVE), "
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average {_load():.1f}")
     started = time.perf_counter()
     planner = planner_figures(args)
     print(f"planner, {planner['n_blocks']}-block GPT ({planner['state_bytes'] / MIB:.0f} MiB of state, disk tier, "
@@ -225,35 +242,51 @@ def main() -> int:
           f"prefetch depth {planner['prefetch_depth']}, {planner['recomputed_blocks']} blocks recomputed, "
           f"predicted peak {planner['predicted_peak_bytes'] / MIB:.1f} MiB at {planner['predicted_peak_where']}",
           flush=True)
-    runs = {}
-    for mode in ("memory", "host", "disk"):
-        t0 = time.perf_counter()
-        runs[mode] = _run_worker(mode, args)
-        print(f"  {mode}: {runs[mode]['tokens_per_s']:,.0f} tokens/s ({time.perf_counter() - t0:.0f} s)", flush=True)
-    base = runs["memory"]["tokens_per_s"]
+    rounds = []
+    for k in range(args.rounds):
+        load_before = _load()
+        runs = {"memory": _run_worker("memory", args, None)}
+        for r in ratios:
+            for mode in ("host", "disk"):
+                runs[f"{mode}@{r:g}x"] = _run_worker(mode, args, budgets[r])
+        base = runs["memory"]["tokens_per_s"]
+        rounds.append({"load_before": load_before, "load_after": _load(), "runs": runs,
+                       "ratio": {key: run["tokens_per_s"] / base for key, run in runs.items()}})
+        print(f"  round {k + 1}: load {load_before:.1f} -> {_load():.1f}; in-memory {base:,.0f} tokens/s; "
+              + ", ".join(f"{key} {v:.2f}x" for key, v in rounds[-1]["ratio"].items() if key != "memory"), flush=True)
     rows = []
     print()
-    print("| mode | tokens/s | vs in-memory | tracked peak / budget | RSS after import -> loaded -> peak | "
-          "anon RSS after import -> loaded -> peak | loss first -> last |")
+    print("| state / budget | tier | throughput vs in-memory (median, range) | plan: recomputed / micro-batch / chunk | "
+          "tracked peak / budget | process peak RSS over loaded (anonymous) | loss first -> last |")
     print("|---|---|---|---|---|---|---|")
-    for mode, r in runs.items():
-        tracked = (f"{r['tracked_peak_bytes'] / MIB:.1f} / {budget / MIB:.1f} MiB" if "tracked_peak_bytes" in r
-                   else "(everything resident)")
-        row = {"mode": mode, "tokens_per_s": r["tokens_per_s"], "ratio_vs_memory": r["tokens_per_s"] / base}
-        rows.append(row)
-        print(f"| {mode} | {r['tokens_per_s']:,.0f} | {row['ratio_vs_memory']:.2f}x | {tracked} | "
-              f"{r['import_rss_bytes'] / MIB:.0f} -> {r['baseline_rss_bytes'] / MIB:.0f} -> "
-              f"{r['peak_rss_bytes'] / MIB:.0f} MiB ({r['peak_rss_delta_bytes'] / MIB:+.0f}) | "
-              f"{r['import_anon_bytes'] / MIB:.0f} -> {r['baseline_anon_bytes'] / MIB:.0f} -> "
-              f"{r['peak_anon_bytes'] / MIB:.0f} MiB ({r['peak_anon_delta_bytes'] / MIB:+.0f}) | "
-              f"{r['first_loss']:.3f} -> {r['last_loss']:.3f} |")
+    mem = [rd["runs"]["memory"] for rd in rounds]
+    print(f"| - | in-memory | 1.00x ({statistics.median(r['tokens_per_s'] for r in mem):,.0f} tokens/s) | - | "
+          f"everything resident | +{max(r['peak_rss_delta_bytes'] for r in mem) / MIB:.0f} MiB "
+          f"(+{max(r['peak_anon_delta_bytes'] for r in mem) / MIB:.0f}) | "
+          f"{mem[0]['first_loss']:.3f} -> {mem[0]['last_loss']:.3f} |")
+    for r in ratios:
+        for mode in ("host", "disk"):
+            key = f"{mode}@{r:g}x"
+            runs = [rd["runs"][key] for rd in rounds]
+            ratio = [rd["ratio"][key] for rd in rounds]
+            plan = runs[0]["plan"]
+            row = {"ratio": r, "mode": mode, "throughput_vs_memory": ratio, "budget_bytes": budgets[r],
+                   "tracked_peak_bytes": [x["tracked_peak_bytes"] for x in runs],
+                   "peak_rss_delta_bytes": [x["peak_rss_delta_bytes"] for x in runs],
+                   "peak_anon_delta_bytes": [x["peak_anon_delta_bytes"] for x in runs], "plan": plan}
+            rows.append(row)
+            print(f"| {r:g}x | {mode} | {_spread(ratio)} | {plan['recomputed']}/{plan['blocks']} blocks, "
+                  f"{plan['micro_batch_windows']} of {args.batch_size} windows, {plan['update_chunk_numel']:,} | "
+                  f"{max(row['tracked_peak_bytes']) / MIB:.2f} / {budgets[r] / MIB:.2f} MiB | "
+                  f"+{max(row['peak_rss_delta_bytes']) / MIB:.1f} MiB (+{max(row['peak_anon_delta_bytes']) / MIB:.1f}) | "
+                  f"{runs[0]['first_loss']:.3f} -> {runs[0]['last_loss']:.3f} |")
     total_s = time.perf_counter() - started
-    print(f"benchmark time {total_s:.0f} s")
+    print(f"benchmark time {total_s:.0f} s, load average at the end {_load():.1f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"config": {**vars(args), "n_params": cfg.n_params, "state_bytes": state,
-                                          "budget_bytes": budget, "state_over_budget": state / budget},
-                               "runs": runs, "table": rows, "planner": planner, "total_s": total_s},
+                                          "budgets": {f"{r:g}": b for r, b in budgets.items()}},
+                               "rounds": rounds, "table": rows, "planner": planner, "total_s": total_s},
                               indent=2, default=str) + "\n")
     print(f"wrote {out}")
     return 0

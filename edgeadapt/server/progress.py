@@ -38,11 +38,14 @@ class TrainProgress:
         self.loss = float("nan")
 
     def postfix(self) -> dict[str, str]:
-        """The fields shown: loss, throughput, compute-tier peak and bytes in host/disk."""
+        """The fields shown: loss, throughput, compute-tier tracked peak (of the budget) and bytes in host/disk."""
         elapsed = max(time.perf_counter() - self._t0, 1e-9)
         tiers = self.trainer.residency()["tiers"]
         fields = {"loss": f"{self.loss:.4f}", f"{self.unit}/s": f"{self._items / elapsed:.1f}",
                   "compute peak": format_bytes(self.trainer.tracked_peak_bytes)}
+        budget = getattr(self.trainer, "budget_bytes", None)
+        if budget:
+            fields["compute peak"] += f" of {format_bytes(budget)}"
         fields.update({t: format_bytes(b) for t, b in tiers.items() if t != "compute" and b})
         if getattr(self.trainer, "shards_optimizer_state", False):  # ZeRO-1: this rank's share
             fields["optimizer state"] = format_bytes(self.trainer.optimizer_state_bytes)

@@ -241,3 +241,14 @@ def test_train_plan_only_prints_the_plan_and_writes_nothing(tmp_path, capsys):
     assert "of 3.00 MiB" in out and not run.exists()
     assert main([*args, "--memory-budget", "100KiB"]) == 2
     assert "smallest budget" in capsys.readouterr().err and not run.exists()
+
+
+def test_train_progress_shows_the_tracked_peak_against_the_budget(tmp_path, capsys):
+    from edgeadapt.cli import main
+
+    assert main(["train", "--model", "gpt-nano", "--vocab-size", "64", "--context-len", "16", "--d-model", "32",
+                 "--n-layers", "2", "--batch-size", "4", "--steps", "2", "--offload", "disk", "--device", "cpu",
+                 "--memory-budget", "300KiB", "--checkpoint-dir", str(tmp_path / "run"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    final = out.split("tracked peak ")[1].split(" of a ")[0]     # the done line: tracked peak X of a 300 KiB budget
+    assert "step 2/2: " in out and f"peak {final} of 300.00 KiB" in out
