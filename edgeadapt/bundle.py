@@ -253,7 +253,8 @@ MANIFEST_SCHEMA: dict[str, Any] = {
         # "predicted_peak_bytes", and the sched Graph.to_dict() of the whole exported model.
         "plan": {"type": "object", "required": ["plan_version", "params", "cut"],
                  "properties": {"micro_batch_windows": {"type": ["integer", "null"], "minimum": 1,
-                                                        "maximum": _MAX_DIM}}},
+                                                        "maximum": _MAX_DIM},
+                                "params": {"type": "array", "items": {"type": "object"}}}},
         "graph": {"type": "object", "required": ["ops", "params", "input_bytes"]},
         "state": {
             "type": "object",
@@ -534,8 +535,12 @@ def member_path(bundle_dir: str | os.PathLike, name: str, where: str = "a file n
     check_member_name(name, where)
     bundle_dir = Path(bundle_dir)
     path = bundle_dir / name
-    root = bundle_dir.resolve()
-    resolved = path.resolve()
+    try:
+        root = bundle_dir.resolve()
+        resolved = path.resolve()
+    except (RuntimeError, OSError) as e:  # a symbolic link loop (RuntimeError in Python < 3.13), ELOOP
+        raise BundleError(f"{path}: {where} cannot be resolved ({str(e)[:120]}: a symbolic link loop?); "
+                          "a bundle's files must be plain files in its own directory") from None
     if resolved.parent != root:
         raise BundleError(
             f"{path}: {where} resolves to {resolved}, outside the bundle {root} (a symbolic link?); "
@@ -660,8 +665,13 @@ def read_manifest(bundle_dir: str | os.PathLike, *, verify: bool = True) -> Mani
         if manifest.state[key] > _MAX_LOADED_COUNT:
             raise BundleError(f"{path}: state.{key} is {manifest.state[key]}, beyond any real run (at most "
                               f"{_MAX_LOADED_COUNT}); the bundle is damaged - re-export it or restore a copy")
+    resolved: dict[Path, str] = {}
     for role, name in manifest.files.items():
-        member_path(bundle_dir, name, f"files.{role}")
+        target = member_path(bundle_dir, name, f"files.{role}").resolve()
+        if target in resolved:
+            raise BundleError(f"{bundle_dir}: files.{role} ({name}) and files.{resolved[target]} are the same file "
+                              f"{target.name} (a symbolic link?); every file of a bundle is its own")
+        resolved[target] = role
     if verify:
         verify_checksums(bundle_dir, manifest)
     return manifest

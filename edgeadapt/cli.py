@@ -77,6 +77,12 @@ def _load_data(args: argparse.Namespace, manifest):
     return X, check_labels(manifest, y, len(X), what=f"{path} (y)")
 
 
+def _printable(text: str, keep: str = "") -> str:
+    """``text`` with control and format characters (a terminal's escape sequences, say, from a
+    bundle's manifest) written as Python escapes, except those in ``keep``."""
+    return "".join(c if c.isprintable() or c in keep else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def _format_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -146,27 +152,31 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(s, indent=2))
         return 0
-    print(f"bundle      {s['bundle']}  (checksums {s['checksums']})")
-    print(f"input       {s['input']['name']} {s['input']['shape']} {s['input']['dtype']}")
-    print(f"output      {s['output']['name']} {s['output']['shape']} {s['output']['dtype']}")
-    print(f"loss        {s['loss']}   labels: {s['label']}")
-    print(f"optimizer   {s['optimizer']}")
-    print(f"batchnorm   {s['batchnorm']}   state: {s['state']}")
+
+    def echo(text: str) -> None:  # names, specs and versions come from the bundle
+        print(_printable(text))
+
+    echo(f"bundle      {s['bundle']}  (checksums {s['checksums']})")
+    echo(f"input       {s['input']['name']} {s['input']['shape']} {s['input']['dtype']}")
+    echo(f"output      {s['output']['name']} {s['output']['shape']} {s['output']['dtype']}")
+    echo(f"loss        {s['loss']}   labels: {s['label']}")
+    echo(f"optimizer   {s['optimizer']}")
+    echo(f"batchnorm   {s['batchnorm']}   state: {s['state']}")
     pct = 100.0 * s["trainable_numel"] / max(1, s["total_numel"])
-    print(f"trains      {s['trainable_numel']:,} of {s['total_numel']:,} elements ({pct:.2f}%)")
-    print(f"update mem  params {_format_bytes(s['trainable_bytes'])} + grads {_format_bytes(s['gradient_bytes'])}"
-          f" + optimizer state {_format_bytes(s['optimizer_state_bytes'])}")
-    print("parameters:")
+    echo(f"trains      {s['trainable_numel']:,} of {s['total_numel']:,} elements ({pct:.2f}%)")
+    echo(f"update mem  params {_format_bytes(s['trainable_bytes'])} + grads {_format_bytes(s['gradient_bytes'])}"
+         f" + optimizer state {_format_bytes(s['optimizer_state_bytes'])}")
+    echo("parameters:")
     for p in s["parameters"]:
         if p["trainable_numel"] or args.all:
-            print(f"  {p['name']:<40} {str(p['shape']):<16} {p['mode']:<9} {p['trainable_numel']:>10,}")
+            echo(f"  {p['name']:<40} {str(p['shape']):<16} {p['mode']:<9} {p['trainable_numel']:>10,}")
     if not args.all:
         n_frozen = sum(1 for p in s["parameters"] if not p["trainable_numel"])
-        print(f"  ... {n_frozen} frozen parameters (--all lists them)")
-    print("files:")
+        echo(f"  ... {n_frozen} frozen parameters (--all lists them)")
+    echo("files:")
     for name, f in s["files"].items():
-        print(f"  {name:<32} {_format_bytes(f['bytes']):>10}  sha256 {f['sha256'][:16]}")
-    print("versions:   " + ", ".join(f"{k} {v}" for k, v in s["versions"].items()))
+        echo(f"  {name:<32} {_format_bytes(f['bytes']):>10}  sha256 {f['sha256'][:16]}")
+    echo("versions:   " + ", ".join(f"{k} {v}" for k, v in s["versions"].items()))
     return 0
 
 
@@ -454,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     except known as e:
         if args.verbose:
             raise
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_printable(str(e), keep=chr(10))}", file=sys.stderr)
         return 2
 
 

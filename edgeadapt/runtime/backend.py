@@ -258,7 +258,15 @@ class OrtTrainingBackend:
         return np.array(self._state.get_parameter(name).grad.numpy(), copy=True)
 
     def save_checkpoint(self, path: Path) -> None:
-        C.save_checkpoint(self._state, os.fspath(path), True)
+        try:
+            C.save_checkpoint(self._state, os.fspath(path), True)
+        except Exception as e:  # ONNX Runtime's pybind types, or a RuntimeError naming its C++ source
+            if not (type(e).__module__.startswith("onnxruntime") or isinstance(e, (RuntimeError, OSError))):
+                raise
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
+            raise OSError(f"could not write a checkpoint in {Path(path).parent} ({reason}); the "
+                          "disk may be full - free space and save again (the bundle keeps its previous checkpoint)"
+                          ) from None
 
     def export_inference(self, path: Path, output_names: list[str]) -> None:
         from .inference_export import export_eval_graph

@@ -431,3 +431,65 @@ def test_the_op_table_has_no_control_flow_and_knows_every_role():
     assert {"training_model", "eval_model", "optimizer_model", "prefix_model"} <= set(ALLOWED_OPS)
     with pytest.raises(BundleError, match="no ops are allowed for a model of role 'mystery'"):
         check_ops(onnx.ModelProto(), "mystery")
+
+
+# ---- more errors that leaked ----------------------------------------------------------------
+def test_a_symbolic_link_loop_is_a_bundle_error(bundle):
+    (bundle / "masks.npz").unlink()
+    (bundle / "masks.npz").symlink_to("masks.npz")
+    with pytest.raises(BundleError, match=r"masks\.npz: files\.masks cannot be resolved .*symbolic link loop"):
+        Runner.load(bundle)
+
+
+def test_two_roles_linked_to_one_file_are_refused(bundle):
+    (bundle / "eval_model.onnx").unlink()
+    (bundle / "eval_model.onnx").symlink_to("training_model.onnx")
+    _rehash(bundle, "eval_model.onnx")
+    with pytest.raises(BundleError, match=r"files\.(eval|training)_model \((eval|training)_model\.onnx\) and "
+                                          r"files\.(training|eval)_model are the same file"):
+        Runner.load(bundle)
+
+
+def test_a_malformed_plan_entry_is_refused_by_plan_and_load(bundle, capsys):
+    from edgeadapt.cli import main
+
+    _edit_manifest(bundle, lambda m: m["plan"]["params"].__setitem__(0, "x"))
+    assert main(["plan", str(bundle)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "manifest.json is invalid at plan/params/0" in err
+    with pytest.raises(BundleError, match="invalid at plan/params/0"):
+        Runner.load(bundle)
+
+
+def test_inspect_prints_no_terminal_escape_sequences_from_the_bundle(bundle, capsys):
+    from edgeadapt.cli import main
+
+    _edit_manifest(bundle, lambda m: m["versions"].__setitem__("onnxruntime", "1.19\x1b[2J\x1b]0;owned\x07"))
+    assert main(["inspect", str(bundle)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out
+    assert "1.19\\x1b[2J\\x1b]0;owned\\x07" in out  # shown, escaped
+
+
+def test_a_full_disk_at_save_is_one_clear_error_and_keeps_the_bundle(bundle, monkeypatch):
+    import edgeadapt.runtime.backend as backend_mod
+
+    runner = Runner.load(bundle, backend="ort-training")
+    runner.adapt(*make_data(np.random.default_rng(0), n=8), epochs=1, batch_size=4, progress=False)
+    before = sorted(p.name for p in bundle.iterdir())
+
+    def full(state, path, include_optimizer_state):
+        with open(path, "wb") as f:
+            f.write(b"half a checkpoint")
+        raise RuntimeError("/onnxruntime_src/orttraining/orttraining/training_api/checkpoint.cc:123 "
+                           "onnxruntime::training::api::SaveCheckpoint: No space left on device")
+
+    monkeypatch.setattr(backend_mod.C, "save_checkpoint", full)
+    with pytest.raises(OSError, match=r"could not write a checkpoint in .*bundle \(.*No space left on device\); the "
+                                      r"disk may be full"):
+        runner.save()
+    monkeypatch.undo()
+    assert sorted(p.name for p in bundle.iterdir()) == before  # no partial checkpoint left
+    assert Runner.load(bundle, backend="ort-training").step == 0
+    runner.save()  # once there is room, the same runner saves
+    assert Runner.load(bundle, backend="ort-training").step == 2
