@@ -355,7 +355,11 @@ def test_masks_members_are_checked_before_reading(bundle, member, data, match):
 
 # ---- ops: only what the exporter writes, no control flow, no sizes from data --------------------
 def _add_nodes(bundle, name: str, nodes, initializers=()) -> None:
+    """Add nodes to a model; ``"DATA"`` in their inputs stands for the graph's first input."""
     def edit(model):
+        data = model.graph.input[0].name
+        for node in nodes:
+            node.input[:] = [data if i == "DATA" else i for i in node.input]
         model.graph.node.extend(nodes)
         model.graph.initializer.extend(initializers)
     _edit_model(bundle, name, edit)
@@ -380,7 +384,7 @@ def test_a_loop_without_trip_count_is_refused(bundle):
 def test_an_op_the_exporter_never_writes_is_refused(bundle):
     from onnx import helper
 
-    _add_nodes(bundle, "eval_model.onnx", [helper.make_node("RandomNormalLike", ["input"], ["noise"], name="dice")])
+    _add_nodes(bundle, "eval_model.onnx", [helper.make_node("RandomNormalLike", ["DATA"], ["noise"], name="dice")])
     with pytest.raises(BundleError, match=r"node 'dice' is RandomNormalLike, an op the exporter never writes"):
         Runner.load(bundle, backend="ort-training")  # the graphs edited above
 
@@ -389,7 +393,7 @@ def test_a_size_computed_from_the_input_values_is_refused(bundle):
     """ConstantOfShape of Cast(ReduceMax(input)): the data would choose how much to allocate."""
     from onnx import helper
 
-    nodes = [helper.make_node("ReduceMax", ["input"], ["peak"], keepdims=0),
+    nodes = [helper.make_node("ReduceMax", ["DATA"], ["peak"], keepdims=0),
              helper.make_node("Cast", ["peak"], ["peak_int"], to=7),
              helper.make_node("Unsqueeze", ["peak_int", "axis0"], ["dims"]),
              helper.make_node("ConstantOfShape", ["dims"], ["hog"], name="alloc")]
