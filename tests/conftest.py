@@ -2,9 +2,38 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 from helpers import make_cnn
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ort_training_exports_by_default():
+    """``export_bundle(backend="auto")`` writes only the onnxruntime-training graphs in tests.
+
+    The product's ``auto`` also writes the portable step graphs where onnxruntime-training is
+    installed; tracing and exporting them costs seconds per export (20-60 s for the full-size
+    reference models), which the ~150 exports of the default run cannot afford. The portable
+    backend has its own tests (tests/export/test_portable_*.py, tests/runtime/test_portable_*.py),
+    which ask for ``backend="portable"`` or ``"both"`` explicitly, and the resolution of
+    ``auto`` itself is tested by calling :func:`resolve_backends` directly. Exports made in
+    subprocesses (CLI, quickstart) are unaffected.
+    """
+    from edgeadapt.export import exporter
+
+    real = exporter.resolve_backends
+
+    @functools.wraps(real)  # the real resolution stays reachable as __wrapped__
+    def tests_auto(backend: str) -> tuple[str, ...]:
+        chosen = real(backend)
+        return ("ort-training",) if backend == "auto" and "ort-training" in chosen else chosen
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(exporter, "resolve_backends", tests_auto)
+    yield
+    patch.undo()
 
 
 @pytest.fixture
