@@ -107,13 +107,16 @@ def worker(args: argparse.Namespace) -> dict:
             first_loss = step(*batches[0])
             warm_s = time.perf_counter() - t0
             times = []
+            cpu0 = time.process_time()
             for x, y in batches[1:]:
                 t0 = time.perf_counter()
                 last_loss = step(x, y)
                 times.append(time.perf_counter() - t0)
+            cpu_s = time.process_time() - cpu0  # every thread of the process
         result.update(
             first_loss=first_loss, last_loss=last_loss, warmup_s=warm_s, step_s=times,
-            tokens_per_s=args.batch_size * args.context_len * len(times) / sum(times),
+            tokens_per_s=args.batch_size * args.context_len * len(times) / sum(times), cpu_s=cpu_s,
+            tokens_per_cpu_s=args.batch_size * args.context_len * len(times) / cpu_s,
             import_rss_bytes=imported["VmRSS"], import_anon_bytes=imported["RssAnon"],
             baseline_rss_bytes=base["VmRSS"], baseline_anon_bytes=base["RssAnon"],
             peak_rss_bytes=peak_rss_bytes(), peak_anon_bytes=anon.peak_bytes, anon_samples=anon.samples)
@@ -250,17 +253,20 @@ def main() -> int:
             for mode in ("host", "disk"):
                 runs[f"{mode}@{r:g}x"] = _run_worker(mode, args, budgets[r])
         base = runs["memory"]["tokens_per_s"]
+        base_cpu = runs["memory"]["tokens_per_cpu_s"]
         rounds.append({"load_before": load_before, "load_after": _load(), "runs": runs,
-                       "ratio": {key: run["tokens_per_s"] / base for key, run in runs.items()}})
+                       "ratio": {key: run["tokens_per_s"] / base for key, run in runs.items()},
+                       "cpu_ratio": {key: run["tokens_per_cpu_s"] / base_cpu for key, run in runs.items()}})
         print(f"  round {k + 1}: load {load_before:.1f} -> {_load():.1f}; in-memory {base:,.0f} tokens/s; "
               + ", ".join(f"{key} {v:.2f}x" for key, v in rounds[-1]["ratio"].items() if key != "memory"), flush=True)
     rows = []
     print()
-    print("| state / budget | tier | throughput vs in-memory (median, range) | plan: recomputed / micro-batch / chunk | "
-          "tracked peak / budget | process peak RSS over loaded (anonymous) | loss first -> last |")
-    print("|---|---|---|---|---|---|---|")
+    print("| state / budget | tier | throughput vs in-memory (median, range) | tokens per CPU-second vs in-memory | "
+          "plan: recomputed / micro-batch / chunk | tracked peak / budget | process peak RSS over loaded (anonymous) | "
+          "loss first -> last |")
+    print("|---|---|---|---|---|---|---|---|")
     mem = [rd["runs"]["memory"] for rd in rounds]
-    print(f"| - | in-memory | 1.00x ({statistics.median(r['tokens_per_s'] for r in mem):,.0f} tokens/s) | - | "
+    print(f"| - | in-memory | 1.00x ({statistics.median(r['tokens_per_s'] for r in mem):,.0f} tokens/s) | 1.00x | - | "
           f"everything resident | +{max(r['peak_rss_delta_bytes'] for r in mem) / MIB:.0f} MiB "
           f"(+{max(r['peak_anon_delta_bytes'] for r in mem) / MIB:.0f}) | "
           f"{mem[0]['first_loss']:.3f} -> {mem[0]['last_loss']:.3f} |")
@@ -269,13 +275,15 @@ def main() -> int:
             key = f"{mode}@{r:g}x"
             runs = [rd["runs"][key] for rd in rounds]
             ratio = [rd["ratio"][key] for rd in rounds]
+            cpu_ratio = [rd["cpu_ratio"][key] for rd in rounds]
             plan = runs[0]["plan"]
-            row = {"ratio": r, "mode": mode, "throughput_vs_memory": ratio, "budget_bytes": budgets[r],
+            row = {"ratio": r, "mode": mode, "throughput_vs_memory": ratio, "cpu_throughput_vs_memory": cpu_ratio,
+                   "budget_bytes": budgets[r],
                    "tracked_peak_bytes": [x["tracked_peak_bytes"] for x in runs],
                    "peak_rss_delta_bytes": [x["peak_rss_delta_bytes"] for x in runs],
                    "peak_anon_delta_bytes": [x["peak_anon_delta_bytes"] for x in runs], "plan": plan}
             rows.append(row)
-            print(f"| {r:g}x | {mode} | {_spread(ratio)} | {plan['recomputed']}/{plan['blocks']} blocks, "
+            print(f"| {r:g}x | {mode} | {_spread(ratio)} | {_spread(cpu_ratio)} | {plan['recomputed']}/{plan['blocks']} blocks, "
                   f"{plan['micro_batch_windows']} of {args.batch_size} windows, {plan['update_chunk_numel']:,} | "
                   f"{max(row['tracked_peak_bytes']) / MIB:.2f} / {budgets[r] / MIB:.2f} MiB | "
                   f"+{max(row['peak_rss_delta_bytes']) / MIB:.1f} MiB (+{max(row['peak_anon_delta_bytes']) / MIB:.1f}) | "

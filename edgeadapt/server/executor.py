@@ -575,13 +575,19 @@ class StreamingExecutor:
             chunks = [c for c in chunks if c[3]]
         key = f"staging:{slot.name}"
         inflight: dict[int, tuple[dict[str, Future], list[Future]]] = {}  # chunk -> (reads, writes)
+        buffers: list[dict[str, torch.Tensor]] = [{}, {}]  # two staging sets, allocated once per update
 
         def start_reads(j: int) -> None:
             a, b, _, read_acc = chunks[j]
             reads = [*kinds, ACCUMULATOR] if read_acc else list(kinds)
             if staged_here:
-                self.ledger.reserve(f"{key}:{j % 2}", 4 * (b - a) * len(reads))
-            inflight[j] = ({k: self._io.submit(self.store.read_range, slot.index, k, a, b - a) for k in reads}, [])
+                self.ledger.reserve(f"{key}:{j % 2}", 4 * min(self.chunk_numel, slot.numel) * len(reads))
+            room = buffers[j % 2]
+            for k in reads:
+                if k not in room:
+                    room[k] = torch.empty(min(self.chunk_numel, slot.numel), dtype=torch.float32)
+            inflight[j] = ({k: self._io.submit(self.store.read_range, slot.index, k, a, b - a, room[k][:b - a])
+                            for k in reads}, [])
 
         def finish(j: int) -> None:
             """Wait for chunk ``j``'s reads and writes; release its staged bytes."""
