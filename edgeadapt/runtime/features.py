@@ -140,6 +140,14 @@ def merge_inference(prefix_path: str | os.PathLike, suffix_path: str | os.PathLi
     except ImportError as e:  # pragma: no cover - onnxruntime-training depends on onnx
         raise ImportError("merging the prefix and the adapted model needs the onnx package: pip install onnx") from e
     prefix, suffix = onnx.load(os.fspath(prefix_path)), onnx.load(os.fspath(suffix_path))
+    opsets = [{o.domain: o.version for o in m.opset_import}.get("", 1) for m in (prefix, suffix)]
+    if opsets[0] != opsets[1]:  # e.g. a portable suffix (opset 18) behind a prefix exported at 17
+        from onnx import version_converter
+
+        if opsets[0] < opsets[1]:
+            prefix = version_converter.convert_version(prefix, opsets[1])
+        else:
+            suffix = version_converter.convert_version(suffix, opsets[0])
     if prefix.ir_version != suffix.ir_version:
         prefix.ir_version = suffix.ir_version = min(prefix.ir_version, suffix.ir_version)
     merged = compose.merge_models(prefix, suffix, io_map=[(FEATURES_NAME, FEATURES_NAME)])
