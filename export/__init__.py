@@ -10,7 +10,7 @@ Example::
 """
 
 from .exporter import export_bundle
-from .graph import UnsupportedOpError
+from .unsupported import UnsupportedOpError
 from .objectives import LOSSES, OPTIMIZERS, OptimizerConfig
 from ..sched.policy import Mode, Rule, UpdatePolicy
 from .prepare import FrozenBatchNorm

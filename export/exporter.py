@@ -29,8 +29,9 @@ from ..sched.plan import Action, Plan, parse_bytes
 from ..sched.policy import UpdatePolicy
 from ..sched.resolve import resolve_last_layer
 from ..versions import package_versions
-from .graph import (MAX_IR_VERSION, UnsupportedOpError, check_grouped_conv_grads, module_of_node, to_onnx,
-                    unsupported_from_ort_error)
+from .onnx_export import MAX_IR_VERSION, to_onnx
+from .op_rewrites import check_grouped_conv_grads
+from .unsupported import UnsupportedOpError, module_of_node, unsupported_from_ort_error
 from .objectives import LOSSES, OptimizerConfig, loss_block, optimizer_block, use_torch_adamw
 from .planning import check_entries, cut_model, manifest_plan, node_groups, plan_export, policy_of_plan
 from .prepare import channel_masks, prepare_from_plan, prepare_model

@@ -26,7 +26,7 @@ from ..sched.ir import Graph
 from ..sched.plan import Plan
 from ..sched.policy import UpdatePolicy
 from ..sched.resolve import policy_of_plan
-from .graph import to_onnx
+from .onnx_export import to_onnx
 from .importance import measure_importance
 from .prepare import prepare_model
 from .split import CutError, SplitModel, split_model

@@ -28,7 +28,7 @@ from onnx import helper, shape_inference
 
 from ..bundle import ParameterEntry
 from ..sched.ir import Graph, Op, Param
-from .graph import lacks_gradient
+from .op_rewrites import lacks_gradient
 
 __all__ = ["graph_from_onnx", "module_path_of_node", "SAVES_OUTPUT", "SAVES_NOTHING"]
 
@@ -121,7 +121,7 @@ def graph_from_onnx(model_proto: onnx.ModelProto, entries: Iterable[ParameterEnt
     """Build the scheduler graph of an exported model.
 
     Args:
-        model_proto: the inference model from :func:`edgeadapt.export.graph.to_onnx`.
+        model_proto: the inference model from :func:`edgeadapt.export.onnx_export.to_onnx`.
         entries: its parameter entries (``onnx_names`` map graph initializers to source names).
         input_shape: the input's shape; the batch axis is replaced by 1.
         name: the graph's name (plans refer to it); default: the ONNX graph's name.

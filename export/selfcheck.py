@@ -4,7 +4,7 @@ Every export runs ONNX Runtime's training step on the example batch (and on the 
 row: planner defects can depend on shapes) and compares it with torch on the same (prepared)
 model: the loss, the output, the gradient of every trained tensor, and one optimizer step. This
 catches ONNX Runtime defects for the model actually exported; two were found this way: wrong
-grouped-conv input gradients (worked around in ``graph.py``) and, with some graphs and one
+grouped-conv input gradients (worked around in ``op_rewrites.py``) and, with some graphs and one
 setting of the memory-pattern planner, a train step that returns zeros as its loss and output.
 The check therefore also picks that setting: off where correct (its peak memory is lower), else
 on; the choice is recorded in the manifest's ``session``. Defects this strict check refuses that
@@ -67,7 +67,7 @@ import torch
 from torch import nn
 
 from ..bundle import BundleError, Manifest, ParameterEntry
-from .graph import unsupported_from_ort_error
+from .unsupported import unsupported_from_ort_error
 from .objectives import torch_loss
 from .reduction_noise import ReductionBounds, reduction_allowance
 

@@ -139,10 +139,10 @@ def test_a_grouped_1d_convgrad_is_refused_before_ort_runs(tmp_path, monkeypatch)
     """Without the rewrites, the depthwise Conv1d stays 1-D, and ORT's ConvGrad would write past
     its input gradient (wrong gradients or heap corruption): the exporter refuses the training
     graph before any session runs it, and writes nothing."""
-    from edgeadapt.export import graph
+    from edgeadapt.export import UnsupportedOpError, onnx_export
 
-    monkeypatch.setattr(graph, "_fit_for_ort_gradients", lambda model: None)
-    with pytest.raises(graph.UnsupportedOpError, match=r"'Conv' in module dw: .*ConvGrad writes past .*1-D kernel"):
+    monkeypatch.setattr(onnx_export, "fit_for_ort_gradients", lambda model: None)
+    with pytest.raises(UnsupportedOpError, match=r"'Conv' in module dw: .*ConvGrad writes past .*1-D kernel"):
         export_bundle(make_cnn(), EXAMPLE, tmp_path / "b", policy=UpdatePolicy.full())
     assert not (tmp_path / "b").exists()
 

@@ -23,8 +23,10 @@ from onnx import TensorProto, helper
 from torch import nn
 
 from edgeadapt.export import OptimizerConfig, UpdatePolicy, export_bundle
-from edgeadapt.export import graph as graph_module
-from edgeadapt.export.graph import UnsupportedOpError, check_grouped_conv_grads, to_onnx
+from edgeadapt.export import onnx_export
+from edgeadapt.export.onnx_export import to_onnx
+from edgeadapt.export.op_rewrites import check_grouped_conv_grads
+from edgeadapt.export.unsupported import UnsupportedOpError
 from edgeadapt.export.prepare import prepare_model
 from edgeadapt.export.selfcheck import SelfCheckError
 from edgeadapt.runtime import Runner
@@ -103,7 +105,7 @@ def test_depthwise_bn_trains_as_in_torch(tmp_path):
 def test_clip_gradient_at_ties_is_refused_without_the_rewrite(tmp_path, monkeypatch):
     """With ReLU6 exported as a plain Clip, ORT's gradient is wrong on the BN bias (the defect the
     reference MobileNet hit); the self-check refuses the bundle."""
-    monkeypatch.setattr(graph_module, "_torch_gradient_symbolics", contextlib.nullcontext)
+    monkeypatch.setattr(onnx_export, "_torch_gradient_symbolics", contextlib.nullcontext)
     X, _ = _data(BATCH)
     with pytest.raises(SelfCheckError, match=r"gradient of dw_bn\.bias"):
         export_bundle(_block(), torch.from_numpy(X), tmp_path / "b", policy=UpdatePolicy.parse(POLICY))

@@ -1,4 +1,4 @@
-"""Ops ONNX Runtime 1.19.2 cannot differentiate, rewritten by the exporter (``graph._OP_REWRITES``):
+"""Ops ONNX Runtime 1.19.2 cannot differentiate, rewritten by the exporter (``op_rewrites._OP_REWRITES``):
 each trains with the full policy like torch autograd, and exports for inference like torch.
 An op that stays unsupported is reported as UnsupportedOpError naming the op and module, at
 each stage where ONNX Runtime can fail (artifact generation, session build, train step).
@@ -140,17 +140,17 @@ def test_op_without_gradient_kernel_is_refused_at_session_build(tmp_path):
 
 def test_op_whose_gradient_fails_at_the_train_step_is_refused(tmp_path, monkeypatch):
     """A negative-step Slice without its rewrite: SliceGrad fails in the self-check's train step."""
-    from edgeadapt.export import graph
+    from edgeadapt.export import op_rewrites
 
-    monkeypatch.setattr(graph, "_OP_REWRITES", tuple(r for r in graph._OP_REWRITES if r[0] != "Slice"))
+    monkeypatch.setattr(op_rewrites, "_OP_REWRITES", tuple(r for r in op_rewrites._OP_REWRITES if r[0] != "Slice"))
     _refused(tmp_path, lambda x: x.flip(-1), "Slice", "training step fails.*SliceGrad")
 
 
 def test_gradient_builder_failure_is_refused(tmp_path, monkeypatch):
     """logsumexp without its rewrite: ONNX Runtime's gradient builder emits an invalid node."""
-    from edgeadapt.export import graph
+    from edgeadapt.export import op_rewrites
 
-    monkeypatch.setattr(graph, "_OP_REWRITES", tuple(r for r in graph._OP_REWRITES if r[0] != "ReduceLogSumExp"))
+    monkeypatch.setattr(op_rewrites, "_OP_REWRITES", tuple(r for r in op_rewrites._OP_REWRITES if r[0] != "ReduceLogSumExp"))
     _refused(tmp_path, lambda x: torch.logsumexp(x, -1), "ReduceLogSumExp", "cannot build its gradient")
 
 

@@ -2,7 +2,7 @@
 
 Each case injects one defect into an otherwise correct export of a reference model and expects
 :class:`SelfCheckError` naming what differs: ONNX Runtime's real Clip-gradient difference (ReLU6
-exported without ``graph.py``'s torch-gradient form), an all-zero gradient, and an optimizer step with a learning rate
+exported without ``onnx_export.py``'s torch-gradient form), an all-zero gradient, and an optimizer step with a learning rate
 0.1% off. Tolerances are in ``export/selfcheck.py``'s docstring, with the noise they were
 chosen from.
 """
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from edgeadapt.export import UpdatePolicy, export_bundle
-from edgeadapt.export import graph as graph_module
+from edgeadapt.export import onnx_export
 from edgeadapt.export.reduction_noise import ReductionBounds, reduction_allowance
 from edgeadapt.export.selfcheck import (
     GRAD_ATOL,
@@ -65,7 +65,7 @@ def test_relu6_as_a_plain_clip_is_caught_on_mobilenet(tmp_path, monkeypatch):
     bounds, torch's does not. A MobileNet at initialisation (zero BN bias and mean) has exact zeros
     at its depthwise ReLU6 inputs, so its depthwise BN bias gradients are wrong; the check must
     refuse it."""
-    monkeypatch.setattr(graph_module, "_torch_gradient_symbolics", contextlib.nullcontext)
+    monkeypatch.setattr(onnx_export, "_torch_gradient_symbolics", contextlib.nullcontext)
     torch.manual_seed(0)
     model = build_model("mobilenet", 8, 5, LENGTH).eval()
     with pytest.raises(SelfCheckError, match=r"gradient of blocks\.\d\.depthwise\.bn\.bias \(batch \d\): error") as caught:

@@ -12,7 +12,7 @@ from torch import nn
 
 from edgeadapt.bundle import read_manifest
 from edgeadapt.export import Rule, export_bundle
-from edgeadapt.export.graph import to_onnx
+from edgeadapt.export.onnx_export import to_onnx
 from edgeadapt.export.prepare import prepare_model
 from edgeadapt.export.split import CutError, cut_tensor_of_node, split_model
 from edgeadapt.runtime import Runner

@@ -101,7 +101,7 @@ def test_saved_tensors_of_fused_nodes_belong_to_their_ops(bundles, name):
     LayerNorm written with ``Pow`` into ``LayerNormalization``: those nodes' names are gone, and
     the tensors their gradients keep still belong to the GELU's and the norm's ops."""
     from edgeadapt.export import UpdatePolicy
-    from edgeadapt.export.graph import to_onnx
+    from edgeadapt.export.onnx_export import to_onnx
     from edgeadapt.export.planning import model_graph, node_groups
     from edgeadapt.export.prepare import prepare_model
 

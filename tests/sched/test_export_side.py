@@ -11,7 +11,7 @@ pytest.importorskip("onnx")
 
 from torch import nn  # noqa: E402
 
-from edgeadapt.export.graph import to_onnx  # noqa: E402
+from edgeadapt.export.onnx_export import to_onnx  # noqa: E402
 from edgeadapt.export.importance import measure_importance  # noqa: E402
 from edgeadapt.export.prepare import prepare_from_plan, prepare_model  # noqa: E402
 from edgeadapt.export.sched_graph import graph_from_onnx, module_path_of_node  # noqa: E402

@@ -1,151 +1,28 @@
-"""torch module -> ONNX ModelProto ready for ONNX Runtime's artifact generator.
+"""Rewrites of the ops ONNX Runtime 1.19.2 cannot differentiate, or differentiates wrongly.
 
-Uses the TorchScript-based exporter (``dynamo=False``) in EVAL mode with a dynamic batch axis and
-no constant folding (folding would bake trainable parameters into constants). Afterwards:
+:func:`fit_for_ort_gradients` rewrites an exported model in place into the same arithmetic in
+ops whose gradients ONNX Runtime builds correctly (the table :data:`_OP_REWRITES`, AveragePool
+and grouped 1-D Conv); :data:`NO_GRADIENT_OPS` is what stays without a gradient, and
+:func:`check_grouped_conv_grads` refuses the grouped ConvGrad that no rewrite makes safe.
 
-* initializers the exporter merged because their values were equal (a fresh BatchNorm's
-  ``weight`` and ``running_var`` are both ones) are restored under their own names;
-* channel-split tensors get readable names: ``<param>.trained``, ``<param>.frozen``,
-  ``<param>.index``.
-
-An op that the exporter or ONNX Runtime's gradient builder cannot handle raises
-:class:`UnsupportedOpError` naming the op and the module path it comes from.
+Over 500 lines: one rewrite table whose entries are short functions sharing :class:`_Rewriter`;
+splitting it would separate the table from its entries and the helper from its users.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
 import logging
 import math
-import re
-import warnings
 
 import numpy as np
 import onnx
-import torch
 from onnx import numpy_helper
-from torch import nn
 
-from ..bundle import ParameterEntry
+from .unsupported import UnsupportedOpError, module_of_node
 
-__all__ = ["UnsupportedOpError", "OPSET", "MAX_IR_VERSION", "to_onnx", "module_of_node", "split_names",
-           "check_grouped_conv_grads",
-           "unsupported_from_ort_error"]
+__all__ = ["fit_for_ort_gradients", "check_grouped_conv_grads", "lacks_gradient", "NO_GRADIENT_OPS"]
 
 log = logging.getLogger(__name__)
-
-OPSET = 17
-MAX_IR_VERSION = 10  # ONNX Runtime 1.19.2 loads IR <= 10
-
-
-class UnsupportedOpError(ValueError):
-    """An op in the model cannot be exported or differentiated.
-
-    Attributes:
-        op: the op name (``aten::fft_rfft`` or the ONNX op type).
-        modules: module paths where it occurs (``<root>`` for the top-level forward).
-    """
-
-    def __init__(self, op: str, modules: list[str], stage: str):
-        self.op, self.modules = op, modules
-        where = ", ".join(modules) if modules else "an unknown module"
-        super().__init__(
-            f"unsupported op {op!r} in module {where}: {stage}. Rewrite that module with supported "
-            "ops (Conv, Linear, norms, ReLU/ReLU6/GELU/ELU/Hardswish, pooling, add, softmax, matmul) or "
-            "freeze everything before it so no gradient has to flow through it"
-        )
-
-
-# How ONNX Runtime names the node it failed on: the gradient builder ("for node X", "Error Node (X)"),
-# session creation ("node with name 'X'") and the executor ("Name:'X'").
-_ORT_NODE_NAME = re.compile(r"for node (\S+)|node with name '([^']+)'|Name:'([^']+)'|Error Node \(([^)]+)\)")
-
-
-def unsupported_from_ort_error(error: BaseException, model: onnx.ModelProto, stage: str) -> UnsupportedOpError | None:
-    """The :class:`UnsupportedOpError` for an ONNX Runtime failure on a node of ``model``.
-
-    ONNX Runtime names the node it failed on; a gradient node is named after its forward node
-    (``/act/Slice_Grad/SliceGrad_1`` belongs to ``/act/Slice``). When that forward node is in
-    ``model``, the error names its op type and module (:func:`module_of_node`); ``stage`` says what
-    failed, and ONNX Runtime's own reason is appended. ``None`` when no node of ``model`` is named
-    (the failure is not caused by one op of the user's model).
-    """
-    text = str(error)
-    if re.search(r"allocat|out of memory|bad_alloc", text, re.IGNORECASE):  # memory, not the op
-        return None
-    nodes = {n.name: n for n in model.graph.node if n.name}
-    for m in _ORT_NODE_NAME.finditer(text):
-        named = next(g for g in m.groups() if g)
-        node = nodes.get(named.split("_Grad/")[0]) or nodes.get(named)  # the forward node, if one
-        if node is None:
-            continue
-        # ONNX Runtime's reason: what follows its error-code prefix, from the node name on if long
-        start = max((p.end() for p in re.finditer(r"\[ONNXRuntimeError\] : \d+ : ", text)), default=0)
-        reason = text[start:].strip()
-        if len(reason) > 200:
-            reason = text[m.start():].strip()
-        reason = " ".join(reason.split())[:300]
-        return UnsupportedOpError(node.op_type, [module_of_node(node.name)], f"{stage} (ONNX Runtime 1.19.2: {reason})")
-    return None
-
-
-def _module_from_scope(scope: str) -> str:
-    # TorchScript scopes look like "__module.blocks/__module.blocks.0/__module.blocks.0.conv"
-    last = scope.split("/")[-1] if scope else ""
-    return last.removeprefix("__module.") or "<root>"
-
-
-def _modules_using_aten_op(model: nn.Module, example: torch.Tensor, op: str) -> list[str]:
-    base = op.removeprefix("aten::")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        graph = torch.jit.trace(model, (example,), check_trace=False).inlined_graph
-    found = []
-    for node in graph.nodes():
-        kind = node.kind().removeprefix("aten::")
-        if kind == base or kind.endswith("_" + base) or base.endswith("_" + kind):
-            path = _module_from_scope(node.scopeName())
-            if path not in found:
-                found.append(path)
-    return found
-
-
-def module_of_node(node_name: str) -> str:
-    """Module path from an exported node name.
-
-    The exporter names nodes by the chain of full module paths: ``/blocks/blocks.0/blocks.0.conv/Conv``
-    -> ``blocks.0.conv``; a node of the top-level forward is ``/Atan`` -> ``<root>``.
-    """
-    parts = [p for p in node_name.split("/") if p]
-    return parts[-2] if len(parts) >= 2 else "<root>"
-
-
-def split_names(param_name: str) -> dict[str, str]:
-    """Graph names of the slices of a channel-split parameter."""
-    return {"trained": f"{param_name}.trained", "frozen": f"{param_name}.frozen", "index": f"{param_name}.index"}
-
-
-def _restore_merged_initializers(model: onnx.ModelProto, values: dict[str, torch.Tensor]) -> int:
-    inits = {i.name for i in model.graph.initializer}
-    restored = 0
-    keep = []
-    for node in model.graph.node:
-        out = node.output[0] if node.output else None
-        if node.op_type == "Identity" and out in values and out not in inits and node.input[0] in inits:
-            model.graph.initializer.append(numpy_helper.from_array(values[out].detach().cpu().numpy(), out))
-            inits.add(out)
-            restored += 1
-        else:
-            keep.append(node)
-    if restored:
-        del model.graph.node[:]
-        model.graph.node.extend(keep)
-        used = {i for n in model.graph.node for i in n.input}
-        unused = [i for i in model.graph.initializer if i.name not in used]
-        for i in unused:
-            model.graph.initializer.remove(i)
-    return restored
 
 
 def _attr(node: onnx.NodeProto, name: str, default):
@@ -547,7 +424,7 @@ def _nearest_resize(rw: _Rewriter, node: onnx.NodeProto) -> list[onnx.NodeProto]
 
 
 #: Op types ONNX Runtime 1.19.2 has no gradient for (none registered, or no CPU kernel for it),
-#: left after :func:`_fit_for_ort_gradients`: a trained parameter whose gradient flows through
+#: left after :func:`fit_for_ort_gradients`: a trained parameter whose gradient flows through
 #: one fails the export. Checked against onnxruntime-training 1.19.2 (artifact generation on a
 #: MatMul followed by the op). Resize is left only where the rewrite does not apply (linear,
 #: cubic, non-integer factors): no ResizeGrad CPU kernel. The graph IR marks ops holding one as
@@ -564,7 +441,7 @@ def lacks_gradient(node: onnx.NodeProto) -> bool:
     return node.op_type in NO_GRADIENT_OPS
 
 
-#: (op type, rewrite) applied in this order by :func:`_fit_for_ort_gradients`.
+#: (op type, rewrite) applied in this order by :func:`fit_for_ort_gradients`.
 _OP_REWRITES = (
     ("InstanceNormalization", _instance_norm), ("Elu", _elu), ("Softplus", _softplus), ("HardSigmoid", _hard_sigmoid), ("HardSwish", _hard_swish),
     ("ReduceMax", _reduce_max), ("ReduceMin", _reduce_max),
@@ -573,7 +450,7 @@ _OP_REWRITES = (
 )
 
 
-def _fit_for_ort_gradients(model: onnx.ModelProto) -> None:
+def fit_for_ort_gradients(model: onnx.ModelProto) -> None:
     """Rewrite patterns whose gradients ONNX Runtime 1.19.2 gets wrong or cannot build.
 
     * AveragePool: see :func:`_average_pools_as_convs` (runs first; yields grouped Convs).
@@ -681,112 +558,3 @@ def _conv_rank(model: onnx.ModelProto, node: onnx.NodeProto) -> int:
     if kernel is None:
         raise RuntimeError(f"Conv node {node.name} has no kernel_shape attribute; cannot rewrite it")
     return 2 + len(kernel)
-
-
-def _rename(model: onnx.ModelProto, old: str, new: str) -> None:
-    for init in model.graph.initializer:
-        if init.name == old:
-            init.name = new
-    for node in model.graph.node:
-        for k, name in enumerate(node.input):
-            if name == old:
-                node.input[k] = new
-
-
-@torch.onnx.symbolic_helper.parse_args("v", "f", "f")
-def _hardtanh_symbolic(g, x, lo: float, hi: float):
-    """``hardtanh`` / ``relu6`` (``nn.ReLU6``, ``nn.Hardtanh``) with torch's gradient.
-
-    torch's backward passes the gradient only where ``lo < x < hi``; ONNX Runtime's Clip gradient
-    also passes it at ``x == lo`` and ``x == hi`` (torch's ``clamp`` convention, which keeps the
-    plain Clip). Ties are common: a ReLU6 after a BatchNorm with zero bias and mean sees exact
-    zeros wherever the conv's window read only zeros (a third of MobileNet's depthwise outputs at
-    initialisation), and every tie adds ``dy`` to the bias gradients upstream. Written as
-    ``Where(x >= hi, hi, Where(x <= lo, lo, x))``: the same values (NaN stays NaN, as in torch, so
-    a non-finite input still gives a non-finite loss), and WhereGrad passes ``dy`` to ``x`` exactly
-    where ``lo < x < hi`` (it keeps the boolean conditions, not ``x``).
-    """
-    lo_t = g.op("Constant", value_t=torch.tensor(lo, dtype=torch.float32))
-    hi_t = g.op("Constant", value_t=torch.tensor(hi, dtype=torch.float32))
-    below_or_at = g.op("Where", g.op("LessOrEqual", x, lo_t), lo_t, x)
-    return g.op("Where", g.op("GreaterOrEqual", x, hi_t), hi_t, below_or_at)
-
-
-@torch.onnx.symbolic_helper.parse_args("v")
-def _relu6_symbolic(g, x):
-    return _hardtanh_symbolic(g, x, 0.0, 6.0)
-
-
-@contextlib.contextmanager
-def _torch_gradient_symbolics():
-    """Export ``aten::hardtanh`` and ``aten::relu6`` with :func:`_hardtanh_symbolic` (only inside)."""
-    ops = {"aten::hardtanh": _hardtanh_symbolic, "aten::relu6": _relu6_symbolic}
-    for op, fn in ops.items():
-        torch.onnx.register_custom_op_symbolic(op, fn, OPSET)
-    try:
-        yield
-    finally:
-        for op in ops:
-            torch.onnx.unregister_custom_op_symbolic(op, OPSET)
-
-
-def to_onnx(
-    module: nn.Module, example: torch.Tensor, entries: tuple[ParameterEntry, ...],
-    input_name: str = "input", output_name: str = "output",
-) -> tuple[onnx.ModelProto, tuple[ParameterEntry, ...]]:
-    """Export ``module`` (already prepared) and map ``entries`` to the graph's initializer names.
-
-    Returns:
-        The ONNX model and the entries with ``onnx_names`` pointing at graph initializers.
-
-    Raises:
-        UnsupportedOpError: the exporter has no ONNX form for an op.
-        ValueError: the model does not return a single tensor.
-    """
-    buf = io.BytesIO()
-    try:
-        with warnings.catch_warnings(), _torch_gradient_symbolics():
-            warnings.simplefilter("ignore")
-            torch.onnx.export(
-                module, (example,), buf, dynamo=False, opset_version=OPSET,
-                do_constant_folding=False, training=torch.onnx.TrainingMode.EVAL,
-                input_names=[input_name], output_names=[output_name],
-                dynamic_axes={input_name: {0: "batch"}, output_name: {0: "batch"}},
-            )
-    except torch.onnx.errors.UnsupportedOperatorError as e:
-        m = re.search(r"operator '([\w:.]+)'", str(e))
-        op = m.group(1) if m else "unknown"
-        raise UnsupportedOpError(op, _modules_using_aten_op(module, example, op),
-                                 f"the ONNX exporter (opset {OPSET}) has no conversion for it") from None
-    model = onnx.load_from_string(buf.getvalue())
-    if len(model.graph.output) != 1:
-        raise ValueError(
-            f"the model returns {len(model.graph.output)} outputs; export a module whose forward "
-            "returns one tensor (the logits or regression output)"
-        )
-    values = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-    n = _restore_merged_initializers(model, values)
-    if n:
-        log.debug("restored %d initializers merged by the exporter", n)
-
-    _fit_for_ort_gradients(model)
-    mapped = []
-    for e in entries:
-        if e.is_split:
-            names = split_names(e.name)
-            for role in ("trained", "frozen", "index"):
-                _rename(model, e.onnx_names[role], names[role])
-            mapped.append(ParameterEntry(e.name, e.shape, e.mode, names, e.trainable_numel))
-        else:
-            mapped.append(e)
-    inits = {i.name for i in model.graph.initializer}
-    final = []
-    for e in mapped:
-        if all(name in inits for name in e.onnx_names.values()):
-            final.append(e)
-            continue
-        # The forward never reads this parameter (an auxiliary head, a disabled branch).
-        if e.trainable_numel:
-            log.warning("parameter %s is not used by the forward pass; it cannot train and is left out", e.name)
-        final.append(ParameterEntry(e.name, e.shape, "frozen", {}, 0))
-    return model, tuple(final)
