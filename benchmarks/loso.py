@@ -69,7 +69,7 @@ from edgeadapt.harness.study import (  # noqa: E402
 )
 from edgeadapt.datasets.shifts import SHIFTS, shift_subject  # noqa: E402
 from edgeadapt.harness.label_free import select_label_free_settings  # noqa: E402
-from edgeadapt.versions import host_info  # noqa: E402
+from edgeadapt.versions import code_version, host_info  # noqa: E402
 
 log = logging.getLogger("loso")
 
@@ -79,24 +79,6 @@ HURT_POINT = 0.01
 FLOAT32_BYTES = 4
 # Memory figures of each adapted row (bytes over the loaded runner; see edgeadapt.harness.adapt_job).
 PEAKS = ("step_peak_bytes", "call_peak_bytes", "step_peak_anon_bytes", "call_peak_anon_bytes")
-
-
-def _code_version() -> dict:
-    """The commit the library code comes from and whether the tree differs from it (read-only git)."""
-    import subprocess
-
-    import edgeadapt
-
-    def git(*a: str) -> str | None:
-        try:
-            return subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True, timeout=30,
-                                  check=True).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    status = git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": git("rev-parse", "HEAD"), "tracked_files_modified": None if status is None else bool(status),
-            "edgeadapt_path": str(Path(edgeadapt.__file__).parent)}
 
 
 def _load(name: str, seed: int) -> WindowDataset:
@@ -334,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result: dict = {
         "command": command,
-        "code": _code_version(),
+        "code": code_version(REPO),
         "host": host_info(),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "dataset_shape": {"windows": int(ds.X.shape[0]), "channels": int(ds.X.shape[1]),

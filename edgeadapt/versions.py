@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 import sys
 from importlib import metadata
+from pathlib import Path
 
-__all__ = ["package_versions", "cpu_info", "host_info", "KERNEL_ISA_FLAGS"]
+__all__ = ["package_versions", "cpu_info", "host_info", "code_version", "KERNEL_ISA_FLAGS"]
 
 # /proc/cpuinfo flags that select different compute kernels in torch (ATen) and ONNX Runtime
 # (MLAS): a figure can move when they differ between machines.
@@ -82,3 +84,25 @@ def host_info() -> dict:
         except AttributeError:  # a stub or a very old torch
             pass
     return out
+
+
+def code_version(repo: str | Path | None = None) -> dict:
+    """The commit the code comes from, the tracked files that differ from it, and where the
+    imported ``edgeadapt`` lives (read-only git; ``None`` where git cannot answer).
+
+    Args:
+        repo: the checkout to ask (default: the one holding this package).
+    """
+    repo = Path(repo) if repo is not None else Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str | None:
+        try:
+            return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=30,
+                                  check=True).stdout.rstrip("\n")  # porcelain lines start with a space
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "HEAD"),
+            "modified_files": None if status is None else [line[3:] for line in status.splitlines()],
+            "edgeadapt_path": str(Path(__file__).resolve().parent)}

@@ -58,13 +58,6 @@ def test_summary_ratios_and_points_vs_full(bs):
     assert b["vs_full_points"] == pytest.approx(-1.0) and b["errors"] == ["boom"]
 
 
-def test_chain_planner_beats_or_matches_sqrt_checkpointing(bs):
-    r = bs.time_chain_planner(n_ops=24, seed=1)
-    assert r["min_peak_bytes"] <= min(r["sqrt_peak_bytes"], r["keep_all_peak_bytes"])
-    assert r["min_flops_peak_bytes"] <= r["limit_bytes"]
-    assert r["min_flops_recompute_flops"] <= r["min_peak_recompute_flops"]
-
-
 @pytest.mark.slow
 def test_workers_measure_a_budget_bundle_and_torch_eager(bs, tmp_path):
     """Export the CNN at its smallest feasible budget (8 x 32 input), adapt it in the torch-free
@@ -85,8 +78,9 @@ def test_workers_measure_a_budget_bundle_and_torch_eager(bs, tmp_path):
     assert run["torch_imported"] is False
     assert run["trainable_numel"] == bs.manifest_trainable(manifest) > 0
     assert run["steps"] == 2 and len(run["epoch_losses"]) == 1
-    assert 0 <= run["step_peak_bytes"] <= run["call_peak_bytes"]
-    assert run["call_peak_anon_bytes"] is not None
+    # the call opens the training session (> 0 bytes); one step lies inside the whole call
+    assert 0 < run["step_peak_bytes"] <= run["call_peak_bytes"]
+    assert 0 < run["step_peak_anon_bytes"] <= run["call_peak_anon_bytes"]
     state = tmp_path / "state.pt"
     torch.save(model.state_dict(), state)
     eager = bs.run_worker("torch", {"model": "cnn", "state_dict": str(state), "n_channels": 8, "n_classes": 7,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from edgeadapt.memory import AnonPeakSampler, anon_rss_bytes, measure_peak, status_fields
-from edgeadapt.versions import KERNEL_ISA_FLAGS, cpu_info, host_info, package_versions
+from edgeadapt.versions import KERNEL_ISA_FLAGS, code_version, cpu_info, host_info, package_versions
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 
@@ -62,6 +62,27 @@ def test_host_facts_name_versions_cpu_and_kernel_flags():
     if "torch" in sys.modules:
         assert info["torch_cpu_capability"]
 
+
+
+def test_code_version_names_the_commit_and_each_modified_tracked_file(tmp_path):
+    import subprocess
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(tmp_path), *args], capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    git("init", "-q")
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text("1\n")
+    git("add", "a.txt", "b.txt")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "c")
+    (tmp_path / "a.txt").write_text("2\n")  # the first porcelain line: " M a.txt"
+    (tmp_path / "untracked.txt").write_text("x")
+    code = code_version(tmp_path)
+    assert code["commit"] == git("rev-parse", "HEAD") and len(code["commit"]) == 40
+    assert code["modified_files"] == ["a.txt"]
+    assert code["edgeadapt_path"].endswith("edgeadapt")
+    assert code_version(tmp_path / "not-a-checkout") == {**code, "commit": None, "modified_files": None}
 
 def test_trim_heap_returns_freed_heap_to_the_os():
     """Small blocks freed below a live one stay resident until trimmed; trim_heap returns them."""
