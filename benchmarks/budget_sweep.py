@@ -11,7 +11,8 @@ Four parts, each printed as a table and written to ``--out`` (``budget_*.json/.m
    trains), then measure one ``Runner.adapt`` call over ``N`` synthetic windows (``--epochs``
    epochs, batch ``b``, the plan's micro-batch) by the project's measuring protocol
    (``edgeadapt.measure``: a fresh process where ``import torch`` fails, as a user has it:
-   bundle loaded, a prediction made, progress bar on, nothing warmed up, heap not trimmed).
+   bundle loaded, progress bar on, nothing warmed up, freed heap returned to the OS before the
+   baseline: what the call allocates).
    The figures: the whole call's peak over the process just before it, anonymous (sampled
    RssAnon) and total (VmHWM), next to the plan's predicted whole-call peak (the manifest's
    ``predicted_peak_bytes``); one step's peak is the runner's own (``AdaptResult``).
@@ -71,6 +72,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from edgeadapt.harness.budget_check import budget_ladder  # noqa: E402  (after the path setup)
+
 log = logging.getLogger("budget_sweep")
 
 KIB, MB = 1024, 2**20
@@ -86,25 +89,6 @@ IMPORTANCE_WINDOWS = 128
 # ------------------------------------------------------------------------------------------
 # Pure helpers
 # ------------------------------------------------------------------------------------------
-def budget_ladder(low_bytes: int, high_bytes: int, count: int, extra: tuple[int, ...] = ()) -> list[int]:
-    """``count`` budgets spaced geometrically from ``low_bytes`` to ``high_bytes`` (both included),
-    plus the ``extra`` values that fall strictly inside (an extra value replaces interior ladder
-    points within 10 % of it); sorted, distinct, ints.
-
-    Raises:
-        ValueError: ``count < 2`` or ``low_bytes`` not in ``(0, high_bytes]``.
-    """
-    if count < 2:
-        raise ValueError(f"count must be >= 2, got {count}")
-    if not 0 < low_bytes <= high_bytes:
-        raise ValueError(f"need 0 < low_bytes <= high_bytes, got {low_bytes} and {high_bytes}")
-    ratio = (high_bytes / low_bytes) ** (1.0 / (count - 1))
-    inside = [int(e) for e in extra if low_bytes < e < high_bytes]
-    interior = [int(round(low_bytes * ratio**i)) for i in range(1, count - 1)]
-    interior = [b for b in interior if all(abs(b - e) > 0.1 * e for e in inside)]
-    return sorted({low_bytes, high_bytes, *interior, *inside})
-
-
 def fmt_bytes(n: float | None) -> str:
     """KiB below 1 MiB, MiB above ('-' for None)."""
     if n is None:
@@ -227,8 +211,8 @@ def _worker_main(kind: str, spec_path: str, report_path: str) -> int:
 
 def run_worker(kind: str, spec: dict[str, Any], workdir: Path, timeout_s: float = 900) -> dict[str, Any]:
     """``kind="runner"``: one adapt call measured by the project's protocol (``edgeadapt.measure``:
-    a fresh torch-free process as a user has it, progress bar on, a prediction first, nothing
-    warmed up, heap not trimmed); ``kind="torch"``: :func:`torch_job` in a fresh process.
+    a fresh torch-free process as a user has it, progress bar on, nothing warmed up, freed heap
+    returned to the OS before the baseline); ``kind="torch"``: :func:`torch_job` in a fresh process.
 
     Raises:
         RuntimeError: the process failed; the message carries its stderr.
@@ -239,7 +223,7 @@ def run_worker(kind: str, spec: dict[str, Any], workdir: Path, timeout_s: float 
         report = measure_in_fresh_process(
             MeasureSpec(bundle=spec["bundle"], n_windows=spec.get("n_windows"), batch_windows=spec["batch_windows"],
                         epochs=spec["epochs"], lr=spec.get("lr"), seed=spec["seed"], threads=spec["threads"],
-                        adapt_data=spec.get("adapt_data"), eval_data=spec.get("eval_data")),
+                        adapt_data=spec.get("adapt_data"), eval_data=spec.get("eval_data"), trim_heap=True),
             timeout_s=timeout_s, env={"OMP_NUM_THREADS": str(spec["threads"]), "MKL_NUM_THREADS": str(spec["threads"])})
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "runner_report.json").write_text(json.dumps(report))

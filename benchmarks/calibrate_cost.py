@@ -2,9 +2,9 @@
 
 For a set of hand-written plans on a reference model (update policy x micro-batch x feature
 caching), this script exports a bundle (``export_bundle``; the manifest carries the plan and the
-sched graph), then runs one ``Runner.adapt`` call per bundle in a **fresh, torch-blocked
-process** (``--worker``) and reads the call's measured peak over the loaded runner
-(``AdaptResult.call_peak_bytes``: VmHWM delta; ``call_peak_anon_bytes``: sampled RssAnon).
+sched graph), then measures one ``Runner.adapt`` call per bundle by the project's measuring
+protocol (``edgeadapt.measure``: a fresh torch-free process as a user has it) and reads the
+whole call's peak (``call_peak_bytes``: VmHWM delta; ``call_peak_anon_bytes``: sampled RssAnon).
 
 The prediction with zero overheads splits each plan's peak into what the cost model takes as
 exact (gradient buffers, optimizer state, the rollback copy of the trained values, the feature
@@ -43,8 +43,6 @@ import argparse
 import datetime as dt
 import json
 import logging
-import os
-import subprocess
 import sys
 import tempfile
 from dataclasses import replace
@@ -83,28 +81,6 @@ TINY_PLANS = (
 # ``benchmarks/budget_sweep.py`` (the planner's own plans, other runs and settings).
 CHECK_PLANS: tuple = ()
 
-WORKER = r"""
-import json, sys
-from edgeadapt.harness.isolation import forbid_torch
-forbid_torch()
-import numpy as np
-from edgeadapt.memory import trim_heap
-from edgeadapt.runtime import Runner
-bundle, batch, micro, n, threads, seed = sys.argv[1], *map(int, sys.argv[2:7])
-runner = Runner.load(bundle, device="cpu", threads=threads)
-spec = runner.manifest.input.shape
-rng = np.random.default_rng(seed)
-X = rng.standard_normal((n, *spec[1:])).astype(np.float32)
-y = rng.integers(0, runner.manifest.label["n_classes"], n).astype(np.int64)
-# No warm-up call: ONNX Runtime's arenas would keep its memory and hide the call's own peak.
-# The measuring protocol: freed heap back to the OS just before the baseline (the call's start).
-trimmed = trim_heap()
-r = runner.adapt(X, y, epochs=1, batch_size=batch, micro_batch=micro, progress=False, shuffle=False)
-print(json.dumps({"call_peak_bytes": r.call_peak_bytes, "call_peak_anon_bytes": r.call_peak_anon_bytes,
-                  "step_peak_bytes": r.step_peak_bytes, "step_peak_anon_bytes": r.step_peak_anon_bytes, "heap_trimmed": trimmed}))
-"""
-
-
 def _tiny_model(channels: int, classes: int):
     """Conv1d(channels, 8, 1) + ReLU + mean over time + Linear(8, classes) as ``head``: a model
     whose training graphs are a few ops (1 with cached features and the head only)."""
@@ -135,18 +111,21 @@ def _export(args, policy: str, micro: int, cache: bool, directory: Path, model_n
     example = torch.randn(args.batch, args.channels, args.time_steps, generator=torch.Generator().manual_seed(1))
     out = directory / f"{model_name}-{policy}-{micro}-{int(cache)}"
     manifest = export_bundle(model, example, out, policy=UpdatePolicy.parse(policy), n_windows=args.n_windows,
-                             batch_windows=args.batch, cache_features=cache)
+                             batch_windows=args.batch, cache_features=cache, backend=args.backend)
     return out, manifest
 
 
 def _measure(bundle: Path, args, micro: int) -> dict:
-    cmd = [sys.executable, "-c", WORKER, str(bundle), str(args.batch), str(micro), str(args.n_windows),
-           str(args.threads), str(args.seed)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads)}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    if out.returncode != 0:
-        raise RuntimeError(f"worker failed for {bundle.name}:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    """One adapt call over the plan's windows with ``micro`` windows per forward/backward, by the
+    project's measuring protocol (``edgeadapt.measure``: a fresh torch-free process as a user
+    has it, progress bar on, nothing warmed up), freed heap returned to the OS before the
+    baseline: what the call itself allocates, the bound for any earlier history of the process
+    (without it the call reuses what loading freed, an amount that depends on the bundle)."""
+    from edgeadapt.measure import MeasureSpec, measure_in_fresh_process
+
+    spec = MeasureSpec(bundle=str(bundle), n_windows=args.n_windows, batch_windows=args.batch, micro_batch=micro,
+                       threads=args.threads, seed=args.seed, backend=args.backend, trim_heap=True)
+    return measure_in_fresh_process(spec, timeout_s=600, env={"OMP_NUM_THREADS": str(args.threads)})
 
 
 def _split(graph, plan, cost):
@@ -223,6 +202,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=30)
     p.add_argument("--n-windows", type=int, default=30)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--backend", choices=("ort-training", "portable"), default="ort-training",
+                   help="the training engine measured (default ort-training: the shipped constants are its)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-tiny", dest="tiny", action="store_false",
                    help="fit on --model's plans only (default: also the tiny model's TINY_PLANS)")

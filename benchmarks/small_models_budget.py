@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import statistics
 import sys
 import tempfile
@@ -39,50 +38,7 @@ sys.path.insert(0, str(ROOT))
 DEFAULT_BUDGETS = ("300KiB", "600KiB", "1MiB", "2MiB")
 N_WINDOWS, BATCH_WINDOWS = 40, 16
 
-
-def build(name: str):
-    """(model, example input) of one small model, seeded."""
-    import torch
-    from torch import nn
-
-    torch.manual_seed(0)
-
-    class Pool(nn.Module):
-        def __init__(self, dims):
-            super().__init__()
-            self.dims = dims
-
-        def forward(self, x):
-            return x.mean(dim=self.dims)
-
-    class GRUNet(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.gru = nn.GRU(4, 16, batch_first=True)
-            self.head = nn.Linear(16, 3)
-
-        def forward(self, x):  # x: (batch, channels, time)
-            out, _ = self.gru(x.transpose(1, 2))
-            return self.head(out[:, -1])
-
-    if name == "groupnorm":
-        net = nn.Sequential(nn.Conv1d(4, 16, 5), nn.GroupNorm(4, 16), nn.ReLU(), Pool(-1), nn.Linear(16, 3))
-        x = torch.randn(8, 4, 32)
-    elif name == "gru":
-        net, x = GRUNet(), torch.randn(8, 4, 32)
-    elif name == "conv2d":
-        net = nn.Sequential(nn.Conv2d(1, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), Pool((2, 3)), nn.Linear(8, 3))
-        x = torch.randn(8, 1, 16, 16)
-    elif name == "mlp":
-        net = nn.Sequential(nn.Flatten(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(),
-                            nn.Linear(32, 3))
-        x = torch.randn(8, 4, 32)
-    else:
-        raise ValueError(f"unknown model {name!r}; use groupnorm, gru, conv2d or mlp")
-    return net.eval(), x
-
-
-MODELS = ("groupnorm", "gru", "conv2d", "mlp")
+from edgeadapt.harness.budget_check import USER_MODELS as MODELS, build  # noqa: E402  (after the path setup)
 
 
 def run(models, budgets, repeats: int, tmp: Path) -> list[dict]:

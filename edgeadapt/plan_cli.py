@@ -168,10 +168,11 @@ def measure_adapt(bundle_dir: str | os.PathLike, *, n_windows: int | None = None
                   timeout_s: float = 600) -> dict[str, Any]:
     """One adapt call of the planned size (one epoch) measured by the project's measuring
     protocol (:mod:`edgeadapt.measure`): a fresh torch-free process as a user has it (bundle
-    loaded, a prediction made, progress bar on, nothing warmed up), the whole call's peaks over
-    the process just before it: ``call_peak_bytes`` (VmHWM) and ``call_peak_anon_bytes``
-    (sampled RssAnon, a lower bound), plus ``timeline`` rows ``[seconds, VmRSS - baseline,
-    RssAnon - baseline]``.
+    loaded, progress bar on, nothing warmed up; freed heap returned to the OS before the
+    baseline, so the figure is what the call itself allocates, the bound a budget holds), the
+    whole call's peaks over the process just before it: ``call_peak_bytes`` (VmHWM) and
+    ``call_peak_anon_bytes`` (sampled RssAnon, a lower bound), plus ``timeline`` rows
+    ``[seconds, VmRSS - baseline, RssAnon - baseline]``.
 
     Raises:
         RuntimeError: the job failed; the message carries its stderr.
@@ -181,7 +182,7 @@ def measure_adapt(bundle_dir: str | os.PathLike, *, n_windows: int | None = None
     _, plan, _ = _load(bundle_dir)
     spec = MeasureSpec(bundle=os.fspath(bundle_dir), n_windows=n_windows or plan.n_windows,
                        batch_windows=batch_windows or plan.batch_windows, device=device, threads=threads,
-                       seed=seed, timeline=True)
+                       seed=seed, trim_heap=True, timeline=True)
     return measure_in_fresh_process(spec, timeout_s=timeout_s)
 
 

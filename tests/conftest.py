@@ -54,14 +54,16 @@ def one_torch_thread():
 
 @pytest.fixture(scope="session")
 def cnn_bundle(tmp_path_factory):
-    """A CNN bundle training the head fully and half of conv2's output channels (AdamW)."""
+    """A CNN bundle training the head fully and half of conv2's output channels (AdamW); no frozen
+    prefix model (the tests feed the training graph model input)."""
     import torch
 
     from edgeadapt.export import Rule, UpdatePolicy, export_bundle
 
     out = tmp_path_factory.mktemp("bundles") / "cnn"
     policy = UpdatePolicy(rules=(Rule("head", "full"), Rule("conv2", "channels", ratio=0.5)))
-    export_bundle(make_cnn(), torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(0)), out, policy=policy)
+    export_bundle(make_cnn(), torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(0)), out, policy=policy,
+                  cache_features=False)
     return out
 
 

@@ -32,6 +32,7 @@ from ..atomic import atomic_path, staged_directory
 from ..bundle import BundleError, Manifest, bundle_lock, read_manifest, sha256_file, sweep_orphans, write_manifest
 from .backend import OrtTrainingBackend, TrainingBackend
 from .bars import AdaptBar
+from .call_plan import CallPlan
 from .engines import STATE_ROLES, choose_backend, dropped_roles, kept_roles
 from .portable import PortableBackend
 from ..interrupt import StopAtStepBoundary
@@ -106,9 +107,12 @@ class AdaptResult:
         step_peak_anon_bytes: the same for anonymous memory only (sampled RssAnon: heap,
             arenas; no file-backed library code), a lower bound (sampled every millisecond
             and at each step's start and end).
-        call_peak_bytes: VmHWM of the whole call over the baseline: feature computation, the
-            training session, every step, rollback copies (and a replay, when one ran).
-        call_peak_anon_bytes: the same for anonymous memory only (sampled RssAnon).
+        call_peak_bytes: total resident memory: VmHWM of the whole call over the baseline (feature
+            computation, the training session, every step, rollback copies, a replay when one
+            ran), *including* file-backed pages such as library code paged in on first use,
+            which the OS can drop and re-read; not what a memory budget bounds.
+        call_peak_anon_bytes: anonymous memory only (sampled RssAnon: heap, arenas, stacks):
+            what the call allocated, the figure a bundle's memory budget bounds.
     """
 
     epochs: int
@@ -148,6 +152,7 @@ class Runner:
         self.backend = backend
         self._state_role = STATE_ROLES[backend]
         self._backend = open_backend(None)
+        self._call_plan = CallPlan(manifest)  # adapt calls held to the plan's budget (sched loaded now)
         # A checkpoint file equal to the current state (rollback replays from it); None once changed.
         self._clean_checkpoint: Path | None = self.bundle_dir / manifest.files[self._state_role]
         self.step = int(manifest.state.get("step", 0))
@@ -332,6 +337,11 @@ class Runner:
 
         ``lr=0`` runs :meth:`update_bn_statistics` instead (no backward, no optimizer).
 
+        A bundle exported with a memory budget holds every call to it: more windows or a larger
+        micro-batch than its plan covers are planned again within the budget before the first
+        step, or refused then with the numbers (``edgeadapt.sched.BudgetExceeded``; see
+        :mod:`.call_plan`).
+
         Args:
             X: float32 windows, shape as exported (batch axis first).
             y: labels as the bundle's loss needs them, or ``None`` for a label-free loss.
@@ -360,6 +370,9 @@ class Runner:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         peak_lr = check_learning_rate(self.learning_rate if lr is None else lr)
         micro = self._micro_batch(micro_batch, min(batch_size, X.shape[0]))
+        # more windows or a larger micro-batch than planned: planned again within the budget, or refused now
+        micro = self._call_plan.micro_batch(X.shape[0], min(batch_size, X.shape[0]), micro, micro_batch is not None,
+                                            self.manifest.batch_statistics)
         n = X.shape[0]
         per_epoch = math.ceil(n / batch_size)
         total = per_epoch * epochs

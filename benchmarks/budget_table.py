@@ -1,0 +1,102 @@
+"""README's device budget table: per model and budget, predicted / measured anonymous / measured total.
+
+A thin script over ``edgeadapt.harness.budget_check``: each reference model (cnn, mobilenet,
+transformer; ``--channels`` x ``--time-steps``) and each user-style net (gru, groupnorm, conv2d,
+mlp) is exported at ``--budgets`` budgets from its smallest feasible one to full fine-tuning's
+predicted peak, and one ``Runner.adapt`` call (``--epochs`` epochs over ``--n-windows`` windows,
+batch ``--batch``) is measured by the project's measuring protocol (``edgeadapt.measure``: fresh
+torch-free processes, progress bar on, nothing warmed up): the bound (freed heap returned to
+the OS before the baseline: what the call allocates) and a user's process (a prediction first,
+heap as it is).
+Memory figures are robust to machine load; no times are reported.
+
+Usage::
+
+    .venv/bin/python benchmarks/budget_table.py            # writes benchmarks/results/budget_table.{json,md}
+    .venv/bin/python benchmarks/budget_table.py --models gru mlp --budgets 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from edgeadapt.harness.budget_check import (REFERENCE_MODELS, USER_MODELS, CheckSettings, build,  # noqa: E402
+                                            check_budget, model_budgets, summarize)
+
+
+def to_markdown(rows: list[dict], command: str, settings: CheckSettings) -> str:
+    kib = 1024.0
+    s = summarize(rows)
+    out = [f"Command: `{command}` ({settings.n_windows} windows, batch {settings.batch_windows}, {settings.epochs} "
+           f"epochs, backend {settings.backend}, 1 thread). KiB over the process just before the call.", "",
+           "| model | budget | trains (elements) | micro | predicted | measured anon | measured total | pred/anon "
+           "| user process anon / total |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['model']} | {r['budget_bytes'] / kib:.0f} | failed: {r['error'][:120]} | | | | | | |")
+            continue
+        over = r["call_peak_anon_bytes"] > r["budget_bytes"]
+        anon = f"{r['call_peak_anon_bytes'] / kib:.0f}"
+        out.append(f"| {r['model']} | {r['budget_bytes'] / kib:.0f} | {r['trainable_numel']:,} | "
+                   f"{r['micro_batch_windows']} | {r['predicted_bytes'] / kib:.0f} | "
+                   f"{'**' + anon + '** (over)' if over else anon} | {r['call_peak_bytes'] / kib:.0f} | "
+                   f"{r['predicted_over_anon']:.2f} | {r['user_anon_bytes'] / kib:.0f} / "
+                   f"{r['user_total_bytes'] / kib:.0f} |")
+    out += ["", f"Measured anonymous within the budget: {s['within_budget']} of {s['rows']} (user process: "
+            f"{s['user_within_budget']}); prediction within +-15 % of it: {s['within_tolerance']} of {s['rows']}."]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=list(REFERENCE_MODELS + USER_MODELS),
+                   choices=REFERENCE_MODELS + USER_MODELS)
+    p.add_argument("--budgets", type=int, default=3, help="budgets per model, >= 2 (default 3)")
+    p.add_argument("--n-windows", type=int, default=40)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--channels", type=int, default=8)
+    p.add_argument("--time-steps", type=int, default=256)
+    p.add_argument("--backend", choices=("ort-training", "portable"), default="ort-training")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = p.parse_args(argv)
+    from edgeadapt.atomic import atomic_write_bytes, atomic_write_json
+    from edgeadapt.versions import host_info
+
+    settings = CheckSettings(n_windows=args.n_windows, batch_windows=args.batch, epochs=args.epochs,
+                             channels=args.channels, time_steps=args.time_steps, backend=args.backend)
+    command = " ".join([".venv/bin/python", "benchmarks/budget_table.py", *map(shlex.quote, argv)])
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="edgeadapt-budget-table-") as tmp:
+        for name in args.models:
+            model, example = build(name, settings)
+            for budget in model_budgets(model, example, settings, args.budgets):
+                try:
+                    row = check_budget(name, budget, Path(tmp), settings)
+                except Exception as e:  # noqa: BLE001 - a failed export or run is a row of the table
+                    row = {"model": name, "budget_bytes": budget, "error": f"{type(e).__name__}: {str(e)[-300:]}"}
+                rows.append(row)
+                print(row, flush=True)
+    md = to_markdown(rows, command, settings)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"budget_table_{args.backend}"
+    atomic_write_json(f"{stem}.json", {"command": command, "settings": asdict(settings), "host": host_info(),
+                                       "rows": rows})
+    atomic_write_bytes(f"{stem}.md", md.encode())
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

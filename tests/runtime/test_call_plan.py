@@ -1,0 +1,75 @@
+"""Adapt calls held to the bundle's memory budget (runtime.call_plan): within the plan they run as
+planned; more windows or a larger micro-batch are planned again within the budget or refused."""
+
+from __future__ import annotations
+
+import random
+import sys
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from edgeadapt.runtime.call_plan import CallPlan
+from edgeadapt.sched import BudgetExceeded, minimum_budget, plan_for_budget, predict
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sched"))
+from sched_testgraphs import conv_graph  # noqa: E402  (the planner tests' graphs)
+
+
+def _cached_plan():
+    """A conv graph and a budget plan over 16 windows (batch 8) that caches the prefix's features."""
+    rng = random.Random(3)
+    for _ in range(40):
+        g = conv_graph(rng, 4)
+        for factor in (1.2, 1.5, 2.0, 3.0):
+            budget = int(minimum_budget(g, n_windows=16, batch_windows=8) * factor)
+            plan = plan_for_budget(g, budget, n_windows=16, batch_windows=8)
+            if plan.cache_features and plan.micro_batch_windows > 1:
+                return g, plan
+    pytest.skip("no cached plan with micro-batches > 1 found")
+
+
+def _manifest(g, plan):
+    return SimpleNamespace(plan=plan.to_dict(), graph=g.to_dict())
+
+
+def test_a_call_within_the_plan_runs_as_planned():
+    g, plan = _cached_plan()
+    cp = CallPlan(_manifest(g, plan))
+    m = plan.micro_batch_windows
+    assert cp.micro_batch(16, 8, m, False, False) == m
+    assert cp.micro_batch(10, 64, m, False, False) == m  # a larger batch only adds micro-batches
+    assert cp.micro_batch(16, 8, 1, True, False) == 1
+
+
+def test_more_windows_are_planned_again_within_the_budget_or_refused():
+    g, plan = _cached_plan()
+    cp = CallPlan(_manifest(g, plan))
+    for n in (17, 64, 400, 40_000):
+        try:
+            m = cp.micro_batch(n, 8, plan.micro_batch_windows, False, False)
+        except BudgetExceeded as e:
+            assert e.need_bytes > e.have_bytes == plan.budget_bytes
+            assert f"{n} windows" in str(e)
+            continue
+        assert 1 <= m <= plan.micro_batch_windows
+        again = replace(plan, n_windows=n, micro_batch_windows=m, predicted=None)
+        assert predict(g, again).peak_bytes <= plan.budget_bytes
+    with pytest.raises(BudgetExceeded):  # the cache alone outgrows any budget
+        cp.micro_batch(10**9, 8, plan.micro_batch_windows, False, False)
+
+
+def test_an_explicit_micro_batch_over_the_budget_is_refused():
+    g, plan = _cached_plan()
+    tight = replace(plan, budget_bytes=plan.predicted.peak_bytes)  # no room above the planned micro-batch
+    cp = CallPlan(_manifest(g, tight))
+    with pytest.raises(BudgetExceeded, match="micro-batches of 8"):
+        cp.micro_batch(16, 8, 8, True, False) if plan.micro_batch_windows < 8 else cp.micro_batch(16, 16, 16, True,
+                                                                                                  False)
+
+
+def test_bundles_without_a_budget_are_not_checked():
+    cp = CallPlan(SimpleNamespace(plan=None, graph=None))
+    assert cp.budget_bytes is None and cp.micro_batch(10**6, 512, 512, True, False) == 512
