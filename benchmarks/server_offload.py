@@ -1,15 +1,22 @@
 """Server training with state offloaded to host memory or disk, against in-memory training.
 
 What it measures, in one invocation on one GPT-style decoder (``build_gpt``; the shape is
-printed) whose parameters + gradients + AdamW state are at least 8x the memory budget:
+printed), at budgets of its parameters + gradients + AdamW state divided by each of
+``--ratios`` (default 8 and 32):
 
-1. For each of *in-memory* (plain ``torch.optim.AdamW``, foreach, everything resident),
-   *host* and *disk* (``edgeadapt.server.Trainer(offload=..., memory_budget=...)``), a fresh
-   process builds the same seeded model, runs one warm-up step, then ``--steps`` timed steps
-   on the same synthetic token batches. Per mode:
+1. In ``--rounds`` interleaved rounds, each of *in-memory* (plain ``torch.optim.AdamW``,
+   foreach, everything resident), then *host* and *disk*
+   (``edgeadapt.server.Trainer(offload=..., memory_budget=...)``, the planner's plan) at every
+   ratio, in a fresh process that builds the same seeded model, runs one warm-up step, then
+   ``--steps`` timed steps on the same synthetic token batches. Per run:
 
-   * tokens/s over the timed steps, and the ratio to in-memory in the same invocation (the
-     machine is shared: quote ratios, not absolute speeds);
+   * tokens/s over the timed steps, and the ratio to the same round's in-memory run (the
+     machine is shared: quote ratios, not absolute speeds; the load average before and after
+     each round is printed); and tokens per CPU-second of the whole process (every thread):
+     on a machine whose CPUs are contended the scheduler shares CPU time per thread, so a
+     process with more runnable threads (prefetch, update, I/O) gets more of it and its
+     wall-clock ratio can exceed 1; the CPU-time ratio measures the work the offload adds;
+   * the plan (recomputed blocks, micro-batch windows, update chunk);
    * the trainer's tracked peak of the compute tier (``Trainer.tracked_peak_bytes``: every
      byte the executor reserves for weights, prefetched weights, gradients, staged optimizer
      state and activations) next to the budget;
@@ -34,8 +41,8 @@ Results: a table on stdout and JSON at ``--out`` (default
 
 Usage::
 
-    .venv/bin/python benchmarks/server_offload.py                 # about 2-3 minutes on 2 cores
-    .venv/bin/python benchmarks/server_offload.py --steps 3 --n-layers 16   # quicker
+    .venv/bin/python benchmarks/server_offload.py --d-model 192 --n-layers 48   # the README figures, ~10 min
+    .venv/bin/python benchmarks/server_offload.py --steps 1 --rounds 1 --ratios 8 --n-layers 16   # quicker
 """
 
 from __future__ import annotations
