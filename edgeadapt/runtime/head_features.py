@@ -7,8 +7,10 @@ suffix merged, any backend) with two changes: every tensor the training backend 
 graph *input* (fed the backend's current values at each run, so BatchNorm statistics or biases
 changed later are seen without exporting again), and the head's input is a second output.
 
-The head is the ``Gemm`` (``torch.nn.Linear``) that produces the model output; a model ending in
-anything else has no linear head to adjust and :class:`HeadFeatures` refuses it (``ValueError``).
+The head is the ``torch.nn.Linear`` that produces the model output: a ``Gemm`` (the
+onnxruntime-training graphs), or ``MatMul`` of the weight (or of its ``Transpose``) followed by
+``Add`` of the bias (the portable graphs, traced through core aten ops). A model ending in anything
+else has no linear head to adjust and :class:`HeadFeatures` refuses it (``ValueError``).
 Torch-free: numpy, onnx (installed with onnxruntime-training) and onnxruntime.
 """
 
@@ -56,20 +58,8 @@ class HeadFeatures:
             export(path)
             model = onnx.load(os.fspath(path))
         graph = model.graph
-        producer = next((n for n in graph.node if graph.output[0].name in n.output), None)
-        if producer is None or producer.op_type != "Gemm":
-            raise ValueError("classifier adjustment needs a model ending in a linear layer (Gemm); this model ends in "
-                             f"{'nothing' if producer is None else producer.op_type}: use a method without prototypes")
-        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in producer.attribute}
-        if attrs.get("transA", 0):
-            raise ValueError("classifier adjustment needs a head Gemm without transA; re-export the model")
         params = set(parameter_names)
-        weight, bias = producer.input[1], (producer.input[2] if len(producer.input) > 2 else None)
-        if weight not in params or (bias is not None and bias not in params):
-            raise ValueError("the head's weight or bias is not held by the training backend (a frozen prefix); "
-                             "export the bundle without cutting at the head")
-        self.head = LinearHead(weight, bias, bool(attrs.get("transB", 0)))
-        self.features_name = producer.input[0]
+        self.head, self.features_name = _linear_head(graph, params)
         moved = [t for t in graph.initializer if t.name in params]
         for t in moved:
             graph.initializer.remove(t)
@@ -96,3 +86,44 @@ class HeadFeatures:
             logits.append(out)
             feats.append(f.reshape(len(f), -1))
         return np.concatenate(feats), np.concatenate(logits)
+
+
+def _linear_head(graph, params: set[str]) -> tuple[LinearHead, str]:
+    """The linear head producing ``graph``'s first output and the name of its input (features):
+    ``Gemm(f, W, b)``, or ``Add(MatMul(f, W or Transpose(W)), b)`` (either ``Add`` operand order).
+
+    Raises:
+        ValueError: the output comes from no such head, or its weight or bias is not in ``params``.
+    """
+    import onnx
+
+    producers = {o: n for n in graph.node for o in n.output}
+    out = producers.get(graph.output[0].name)
+    bias = None
+    if out is not None and out.op_type == "Gemm":
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in out.attribute}
+        if attrs.get("transA", 0):
+            raise ValueError("classifier adjustment needs a head Gemm without transA; re-export the model")
+        features, weight, transposed = out.input[0], out.input[1], bool(attrs.get("transB", 0))
+        bias = out.input[2] if len(out.input) > 2 else None
+    else:
+        matmul = out
+        if out is not None and out.op_type == "Add":
+            a, b = out.input
+            matmul, bias = (producers.get(a), b) if b in params else (producers.get(b), a)
+        if matmul is None or matmul.op_type != "MatMul":
+            found = "nothing" if out is None else out.op_type
+            raise ValueError("classifier adjustment needs a model ending in a linear layer (Gemm, or MatMul + Add); "
+                             f"this model ends in {found}: use a method without prototypes")
+        features, weight = matmul.input
+        transpose = producers.get(weight)
+        transposed = transpose is not None and transpose.op_type == "Transpose"
+        if transposed:
+            perm = [list(onnx.helper.get_attribute_value(a)) for a in transpose.attribute if a.name == "perm"]
+            if perm not in ([], [[1, 0]]):
+                raise ValueError(f"classifier adjustment needs a 2-D head weight; this head transposes it by {perm[0]}")
+            weight = transpose.input[0]
+    if weight not in params or (bias is not None and bias not in params):
+        raise ValueError("the head's weight or bias is not held by the training backend (a frozen prefix); "
+                         "export the bundle without cutting at the head")
+    return LinearHead(weight, bias, transposed), features

@@ -483,15 +483,17 @@ class PortableBackend:
     def export_inference(self, path: Path, output_names: list[str]) -> None:
         """Write the eval graph as a plain inference model: its ``data`` input renamed to the
         bundle's input (``features`` behind a prefix model), its ``output`` to ``output_names[0]``,
-        the current parameters as initializers, the loss and labels pruned away."""
+        the current parameters as initializers under their ONNX names (the names
+        :meth:`parameter_names` gives, as in the onnxruntime-training backend's export), the loss
+        and labels pruned away."""
         from .inference_export import export_eval_graph
 
         names = dict(self._eval.inputs)
-        model = _renamed(self._paths[EVAL], {names["data"]: self._data_name,
-                                             dict(self._eval.outputs)["output"]: output_names[0]})
-        params = {names["param:" + n]: self._tensors[n].value for n in self._param_names
-                  if "param:" + n in names}
-        export_eval_graph(model, params, output_names, path)
+        held = [n for n in self._param_names if "param:" + n in names]
+        renames = {names["data"]: self._data_name, dict(self._eval.outputs)["output"]: output_names[0],
+                   **{names["param:" + n]: n for n in held}}
+        model = _renamed(self._paths[EVAL], renames)
+        export_eval_graph(model, {n: self._tensors[n].value for n in held}, output_names, path)
 
 
 def _renamed(path: Path, renames: Mapping[str, str]):
