@@ -85,9 +85,10 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     row = check_budget(name, budget, Path(tmp), settings)
                 except Exception as e:  # noqa: BLE001 - a failed export or run is a row of the table
-                    row = {"model": name, "budget_bytes": budget, "error": f"{type(e).__name__}: {str(e)[-300:]}"}
+                    last = (str(e).strip().splitlines() or [""])[-1]  # a failed process: its error's last line
+                    row = {"model": name, "budget_bytes": budget, "error": f"{type(e).__name__}: {last[:300]}"}
                 rows.append(row)
-                print(row, flush=True)
+                print({k: v for k, v in row.items() if k not in ("graph", "plan")}, flush=True)
     md = to_markdown(rows, command, settings)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"budget_table_{args.backend}"

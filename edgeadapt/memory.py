@@ -10,10 +10,10 @@ Peak figures are given twice:
   thread (about every millisecond). Library code paged in on first use is file-backed: it counts
   in the total but not here.
 
-Measuring protocol (docs/design.md, "Measuring"): every measuring job calls :func:`trim_heap`
-just before it takes its baseline, so heap freed earlier in the process (loading, a warm-up
-prediction) is returned to the OS and cannot be reused silently by the measured span: what the
-span allocates then shows in full, whatever the process did before. The runner never trims.
+The measuring protocol that uses these probes is :mod:`edgeadapt.measure` (docs/design.md,
+"Measuring"): where a figure is the bound, it calls :func:`trim_heap` just before the baseline,
+so heap freed earlier in the process (loading) is returned to the OS and cannot be reused
+silently by the measured span. The runner never trims.
 """
 
 from __future__ import annotations

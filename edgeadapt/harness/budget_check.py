@@ -137,8 +137,9 @@ def check_budget(name: str, budget_bytes: int, workdir: Path, settings: CheckSet
 
     Returns:
         A row: the plan (what trains, micro-batch, cut, cache, predicted peak), the bound's
-        ``call_peak_anon_bytes`` / ``call_peak_bytes`` (with ``predicted_over_anon``) and the
-        user process's ``user_anon_bytes`` / ``user_total_bytes``.
+        ``call_peak_anon_bytes`` / ``call_peak_bytes`` (with ``predicted_over_anon``), the
+        user process's ``user_anon_bytes`` / ``user_total_bytes``, and the sched ``graph`` and
+        ``plan`` (JSON) the prediction came from.
     """
     from ..export import export_bundle
     from ..measure import MeasureSpec, measure_in_fresh_process
@@ -163,6 +164,8 @@ def check_budget(name: str, budget_bytes: int, workdir: Path, settings: CheckSet
         "user_anon_bytes": user["call_peak_anon_bytes"], "user_total_bytes": user["call_peak_bytes"],
         "step_peak_anon_bytes": bound["step_peak_anon_bytes"], "steps": bound["steps"],
         "predicted_over_anon": predicted / max(1, bound["call_peak_anon_bytes"]),
+        # the form benchmarks/calibrate_cost.py --refit reads: the rows can calibrate the cost model
+        "policy": f"budget {budget_bytes}", "graph": manifest.graph, "plan": manifest.plan,
     }
 
 
