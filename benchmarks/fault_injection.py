@@ -11,7 +11,10 @@ For a bundle exported from each reference model (small input shapes), seeded cas
 * ``inflate``   grow a file (sparse) far beyond what the model needs: refused before reading.
 
 Each case loads the damaged copy with ``Runner.load`` and adapts one epoch on random data, in a
-worker process that the parent restarts after a native crash or a hang (per-case timeout).
+worker process that the parent restarts after a native crash or a hang (per-case timeout). A
+bundle holding both training engines is loaded with the engine that reads the damaged file (its
+onnxruntime-training or its portable files; ``auto`` for shared ones), so every engine's files
+are damaged where they are read.
 Outcomes:
 
 * ``refused``    a project exception (``BundleError``/``InputError``) whose message names the
@@ -142,7 +145,7 @@ def _run_case(case: dict, src: Path, scratch: Path) -> dict:
     if not _damage(case, src, dst):
         return {"outcome": "noop"}
     try:
-        runner = Runner.load(dst, device="cpu", threads=1)
+        runner = Runner.load(dst, device="cpu", threads=1, backend=_reader(case["file"], src))
         before = runner.parameters()
         spec = runner.manifest.input
         rng = np.random.default_rng(0)
@@ -156,6 +159,19 @@ def _run_case(case: dict, src: Path, scratch: Path) -> dict:
     except Exception as e:  # noqa: BLE001 - classifying every leak is the point
         return {"outcome": "raw", "error": f"{type(e).__name__}: {str(e)[:300]}"}
     return {"outcome": "harmless" if _same_meaning(case["file"], src, dst, before) else "trained"}
+
+
+def _reader(name: str, src: Path) -> str:
+    """The backend that reads the bundle file ``name`` (``auto`` for files every backend reads)."""
+    from edgeadapt.bundle import BACKEND_FILE_ROLES, PORTABLE_STATS_ROLE, read_manifest
+
+    manifest = read_manifest(src, verify=False)
+    role = next((r for r, f in manifest.files.items() if f == name), None)
+    if len(manifest.backends) < 2 or role is None:
+        return "auto"
+    if role == PORTABLE_STATS_ROLE:
+        return "portable"
+    return next((b for b, roles in BACKEND_FILE_ROLES.items() if role in roles), "auto")
 
 
 def _same_meaning(name: str, src: Path, dst: Path, parameters: dict) -> bool:

@@ -424,3 +424,38 @@ def test_auto_device_falls_back_to_cpu_with_one_warning(cnn_both, monkeypatch, c
     assert len(warnings) == 1 and "falling back to the CPU" in warnings[0].getMessage()
     with pytest.raises(DeviceUnavailableError, match="CUDA cannot run the training session"):
         Runner.load(cnn_both, device="cuda", backend="portable")
+
+
+# ---- damaged files ----------------------------------------------------------------------
+def test_every_damaged_portable_file_is_refused_naming_it(cnn_both):
+    """benchmarks/fault_injection.py on the two-engine bundle: each portable file truncated,
+    deleted or inflated, and random bytes of any file overwritten (checksums kept or recomputed),
+    loaded with the engine that reads the damaged file (tests/reliability/test_fault_injection.py
+    runs the same harness on onnxruntime-training bundles)."""
+    fi = _fault_injection()
+    files = read_manifest(cnn_both).files
+    portable = {files[r] for r in PORTABLE_FILES}
+    assert {n for n in portable if n.endswith(".onnx")} and {n for n in portable if n.endswith(".npz")}
+    cases = [c for c in fi.make_cases({"cnn": cnn_both}, n_corrupt=6, seed=0)
+             if c["kind"] in ("corrupt", "rehashed") or c["file"] in portable]
+    assert {c["file"] for c in cases if c["kind"] == "delete"} == portable
+    results = fi.run_cases({"cnn": cnn_both}, cases, timeout_s=120)
+    bad = [(c["kind"], c["file"], r) for c, r in zip(cases, results)
+           if r["outcome"] not in ("refused", "noop") and not (c["kind"] == "rehashed" and r["outcome"] in
+                                                                 ("harmless", "trained"))]
+    assert not bad, bad
+    summary = fi.summarize(cases, results)
+    assert summary["rehashed"].get("refused", 0) >= summary["rehashed"].get("trained", 0), summary
+
+
+def _fault_injection():
+    import importlib.util
+    import sys
+
+    from helpers import REPO
+
+    spec = importlib.util.spec_from_file_location("fault_injection", REPO / "benchmarks" / "fault_injection.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["fault_injection"] = module
+    spec.loader.exec_module(module)
+    return module
