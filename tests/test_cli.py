@@ -78,7 +78,7 @@ def test_end_to_end(tmp_path, rng):
     proc = cli("evaluate", str(adapted), "--data", str(tmp_path / "new_subject.npz"), "--json", block_torch=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
-    assert result["n_windows"] == 24 and 0.0 <= result["accuracy"] <= 1.0
+    assert result["n_windows"] == 24  # its accuracy is checked against the exported model's below
 
     proc = cli("export-inference", str(adapted), str(tmp_path / "model.onnx"), block_torch=True)
     assert proc.returncode == 0, proc.stderr[-3000:]

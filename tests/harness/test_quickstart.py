@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
+from edgeadapt.datasets import WindowDataset
 from edgeadapt.harness.quickstart import COMPARED, MAIN, quickstart_command, readme_table
+from edgeadapt.runtime import Runner
 
 
 def _run(out, *args: str) -> subprocess.CompletedProcess:
@@ -56,10 +58,14 @@ def test_small_quickstart_end_to_end_and_reproducible_in_fresh_processes(tmp_pat
     assert (tmp_path / "a" / "memory.png").stat().st_size > 1000
     rows = [first["main"], *first["compared"][:-1]]
     assert [r["method"] for r in rows] == [MAIN, *COMPARED]
-    for r in rows:
+    held_out = WindowDataset.load_npz(tmp_path / "a" / "work" / "target_eval.npz")
+    for r, folder in zip(rows, ["main", *COMPARED]):
         assert f"| {r['accuracy_before']:.3f} → " in table and f"| {r['trainable_numel']:,} |" in table
         assert r["torch_imported"] is False and r["device"] == "cpu" and r["threads"] == 1
-        assert 0.0 <= r["accuracy_after"] <= 1.0
+        # the reported accuracy is the adapted bundle's, computed here again from its logits
+        adapted = Runner.load(tmp_path / "a" / "work" / folder / "adapted", device="cpu")
+        assert r["n_eval_windows"] == len(held_out.y)
+        assert r["accuracy_after"] == pytest.approx(float((adapted.predict(held_out.X).argmax(1) == held_out.y).mean()))
         # one step's peak lies inside the whole adapt call's, for total and anonymous memory
         assert 0 < r["step_peak_bytes"] <= r["call_peak_bytes"]
         assert 0 < r["step_peak_anon_bytes"] <= r["call_peak_anon_bytes"]
