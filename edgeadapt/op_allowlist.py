@@ -68,6 +68,7 @@ FORWARD_OPS = frozenset({
     "Resize", "Round", "Selu", "Celu", "Shape", "Sigmoid", "Sign", "Sin", "Size", "Slice", "Softmax", "Softsign",
     "Split", "Sqrt", "Squeeze", "Sub", "Sum", "Tanh", "Tile", "Transpose", "Unsqueeze", "Where",
     "Det", "Hardmax", "LpNormalization", "ThresholdedRelu", "Tan", "Asin", "Acos", "Atan", "Sinh", "Cosh",
+    "GRU", "LSTM", "RNN",  # torch.nn.GRU / LSTM / RNN
 })
 
 #: What ONNX Runtime's training artifacts add to the training graph: its loss blocks, gradient
@@ -79,6 +80,7 @@ ORT_TRAINING_OPS = FORWARD_OPS | {"SoftmaxCrossEntropyLoss"} | _ms(
     "SigmoidGrad", "SliceGrad", "SoftmaxCrossEntropyLossGrad", "SoftmaxCrossEntropyLossInternal",
     "SoftmaxCrossEntropyLossInternalGrad", "SoftmaxGrad_13", "SplitTraining", "TanhGrad", "DropoutGrad",
     "BitmaskDropout", "BitmaskDropoutGrad", "AveragePoolGrad", "ReduceSumTraining", "BroadcastGradientArgs",
+    "GRUTraining", "GRUGrad", "LSTMTraining", "LSTMGrad",
 ) | {"MaxPoolGrad"}  # ONNX Runtime registers MaxPoolGrad in the standard domain
 
 #: Standard ops of the portable step graphs (forward, backward and optimizer update written from

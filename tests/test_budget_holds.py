@@ -18,13 +18,8 @@ from edgeadapt.harness.budget_check import (REFERENCE_MODELS, USER_MODELS, Check
 SETTINGS = CheckSettings(n_windows=24, batch_windows=8, epochs=2, channels=8, time_steps=64, classes=5)
 
 
-_GRU_REFUSED = pytest.mark.xfail(reason="the ONNX op allowlist (edgeadapt.op_allowlist) refuses the training graph's "
-                                        "com.microsoft::GRUTraining at load", raises=RuntimeError, strict=False)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_GRU_REFUSED) if n == "gru" else n
-                                  for n in REFERENCE_MODELS + USER_MODELS])
+@pytest.mark.parametrize("name", REFERENCE_MODELS + USER_MODELS)
 def test_the_budget_holds_in_a_users_process(name, tmp_path, one_torch_thread):
     model, example = build(name, SETTINGS)
     budgets = model_budgets(model, example, SETTINGS, 3)
