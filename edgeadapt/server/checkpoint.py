@@ -44,18 +44,37 @@ import logging
 import shutil
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from ..atomic import atomic_write_json, staged_directory
 
-if TYPE_CHECKING:
-    from .trainer import Trainer
+
+
+class TrainingState(Protocol):
+    """What a checkpoint reads from and restores into (a :class:`~edgeadapt.server.trainer.Trainer`).
+
+    ``block_state(i)`` is ``{kind: {param name: CPU tensor}}`` (kinds: ``param`` and the optimizer
+    state this process holds) plus ``"steps": {param name: tensor(int)}``; ``set_block_state``
+    is its inverse. ``sharding`` is ZeRO-1's assignment of blocks to ranks, or ``None``.
+    """
+
+    blocks: list[Any]
+    step_count: int
+    lr: float
+    checkpoint_extra: dict
+    sharding: Any
+
+    def block_state(self, index: int) -> dict[str, dict[str, torch.Tensor]]: ...
+    def set_block_state(self, index: int, state: dict[str, dict[str, torch.Tensor]]) -> None: ...
+    def buffers(self) -> dict[str, torch.Tensor]: ...
+    def load_buffers(self, buffers: dict[str, torch.Tensor]) -> None: ...
+    def signature(self) -> dict: ...
 
 __all__ = ["CheckpointMismatch", "CheckpointDamaged", "CheckpointWriteError", "save", "save_sharded", "load", "latest", "check_signature", "rng_state",
-           "set_rng_state"]
+           "set_rng_state", "TrainingState"]
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +193,7 @@ def latest(directory: Path) -> Path:
     return directory / name
 
 
-def save(trainer: Trainer, directory: Path, *, extra: dict, keep: int = 2) -> Path:
+def save(trainer: TrainingState, directory: Path, *, extra: dict, keep: int = 2) -> Path:
     """Write a checkpoint of ``trainer`` under ``directory``; keep the newest ``keep``.
 
     Raises:
@@ -210,7 +229,7 @@ def save(trainer: Trainer, directory: Path, *, extra: dict, keep: int = 2) -> Pa
     return target
 
 
-def load(trainer: Trainer, directory: Path) -> None:
+def load(trainer: TrainingState, directory: Path) -> None:
     """Restore ``trainer`` from the latest checkpoint under ``directory``.
 
     Raises:
@@ -243,7 +262,7 @@ def load(trainer: Trainer, directory: Path) -> None:
     else:
         for i in range(len(trainer.blocks)):
             trainer.set_block_state(i, _load_tensors(folder / f"block-{i:05d}.pt"))
-        trainer._load_buffers(_load_tensors(folder / "buffers.pt"))
+        trainer.load_buffers(_load_tensors(folder / "buffers.pt"))
         set_rng_state(_load_tensors(folder / "rng.pt"))
     trainer.step_count = int(meta["step"])
     trainer.lr = float(meta["lr"])
@@ -293,7 +312,7 @@ def _quiet_single_process(sharding):
         yield
 
 
-def _block_shard(trainer: Trainer, index: int) -> dict[str, torch.Tensor]:
+def _block_shard(trainer: TrainingState, index: int) -> dict[str, torch.Tensor]:
     """What the owner of block ``index`` writes (empty on the other ranks)."""
     if index not in trainer.sharding.owned:
         return {}
@@ -303,14 +322,14 @@ def _block_shard(trainer: Trainer, index: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _rank_shard(trainer: Trainer) -> dict[str, torch.Tensor]:
+def _rank_shard(trainer: TrainingState) -> dict[str, torch.Tensor]:
     r = trainer.sharding.rank
     out = {f"rank{r}/rng/{k}": v for k, v in rng_state().items()}
     out.update({f"rank{r}/buffers/{n}": b for n, b in trainer.buffers().items()})
     return out
 
 
-def save_sharded(trainer: Trainer, directory: Path, *, extra: dict, keep: int = 2) -> Path:
+def save_sharded(trainer: TrainingState, directory: Path, *, extra: dict, keep: int = 2) -> Path:
     """Every rank writes its share of ``trainer`` (ZeRO-1) under ``directory``; rank 0 publishes.
 
     A collective: all ranks of the trainer's group call it after the same step.
@@ -363,31 +382,31 @@ def save_sharded(trainer: Trainer, directory: Path, *, extra: dict, keep: int = 
     return target
 
 
-def _load_sharded(trainer: Trainer, folder: Path) -> None:
+def _load_sharded(trainer: TrainingState, folder: Path) -> None:
     """Every rank reads all weights, its own blocks' optimizer state, its random stream and buffers."""
     import torch.distributed.checkpoint as dcp
 
-    sh, ex, store = trainer.sharding, trainer.executor, trainer.store
+    sh = trainer.sharding
     with _quiet_single_process(sh):
-        _read_shards(trainer, folder, dcp, sh, ex, store)
+        _read_shards(trainer, folder, dcp, sh)
 
 
-def _read_shards(trainer: Trainer, folder: Path, dcp, sh, ex, store) -> None:
-    for i, slot in enumerate(ex.slots):
-        names = trainer.blocks[i].param_names
-        flats = {k: torch.empty(slot.numel, dtype=torch.float32) for k in store.kinds if store.holds(i, k)}
-        sd = {f"{k}/{n}": v for k, flat in flats.items() for n, v in zip(names, slot.views(flat))}
+def _read_shards(trainer: TrainingState, folder: Path, dcp, sh) -> None:
+    for i, b in enumerate(trainer.blocks):
+        names = b.param_names
+        # the trainer's current state is the destination: the kinds this rank holds, their shapes
+        st = trainer.block_state(i)
+        sd = {f"{k}/{n}": v for k, vs in st.items() if k != "steps" for n, v in vs.items()}
         steps = torch.zeros(len(names), dtype=torch.int64)
         sd["steps"] = steps
         dcp.load(sd, checkpoint_id=folder / BLOCKS_DIR / f"{i:05d}", **_dcp_kwargs(sh))
-        for k, flat in flats.items():
-            store.write(i, k, flat)
-        slot.steps = [int(s) for s in steps]
+        st["steps"] = {n: steps[j] for j, n in enumerate(names)}
+        trainer.set_block_state(i, st)
     where = folder / RANKS_DIR
     saved = dcp.FileSystemReader(where).read_metadata().state_dict_metadata
     prefix = f"rank{sh.rank}/"
     sd = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in saved.items() if k.startswith(prefix)}
     dcp.load(sd, checkpoint_id=where, **_dcp_kwargs(sh))
-    trainer._load_buffers({k[len(prefix + "buffers/"):]: v for k, v in sd.items()
-                           if k.startswith(prefix + "buffers/")})
+    trainer.load_buffers({k[len(prefix + "buffers/"):]: v for k, v in sd.items()
+                          if k.startswith(prefix + "buffers/")})
     set_rng_state({k[len(prefix + "rng/"):]: v for k, v in sd.items() if k.startswith(prefix + "rng/")})

@@ -77,10 +77,6 @@ class MemoryLedger:
         with self._lock:
             return sum(v for k, v in self._held.items() if k.startswith(prefix))
 
-    def reset_peak(self) -> None:
-        with self._lock:
-            self.peak_bytes, self.peak_where = self.current_bytes, ""
-
     def _summary(self) -> str:
         top = sorted(self._held.items(), key=lambda kv: -kv[1])[:4]
         return ", ".join(f"{k} {format_bytes(v)}" for k, v in top) or "nothing"

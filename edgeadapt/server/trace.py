@@ -37,7 +37,7 @@ from torch import nn
 from ..sched.ir import DTYPE_BYTES, Graph, Op, Param
 from ..sched.offload import RESIDENT_KIND
 
-__all__ = ["Block", "find_blocks", "trace_graph", "BlockError", "ROOT_BLOCK"]
+__all__ = ["Block", "find_blocks", "trace_graph", "BlockError", "ROOT_BLOCK", "nested_tensors"]
 
 ROOT_BLOCK = "<root>"
 """Name of the block of the parameters outside every streamed block (no module path has it)."""
@@ -139,13 +139,14 @@ def _storage_key(t: torch.Tensor) -> int:
     return id(base)
 
 
-def _tensors(value) -> list[torch.Tensor]:
+def nested_tensors(value) -> list[torch.Tensor]:
+    """The tensors in ``value`` (a tensor, or tuples, lists and dicts of them, nested), in order."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
+        return [t for v in value for t in nested_tensors(v)]
     if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
+        return [t for v in value.values() for t in nested_tensors(v)]
     return []
 
 
@@ -198,11 +199,11 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
                              "updates a block once per step, so share no block between two call sites")
         order.append(i)
         active.append(i)
-        in_keys[i] = {_storage_key(t) for t in _tensors(args)}
+        in_keys[i] = {_storage_key(t) for t in nested_tensors(args)}
 
     def post(mod, args, out):
         i = active.pop()
-        outs = _tensors(out)
+        outs = nested_tensors(out)
         out_bytes[i] = sum(_nbytes(t) for t in outs)
         first = outs[0] if outs else None
         out_numel_per_ch[i] = (first.numel() // max(1, first.shape[-1] if first.dim() else 1)) if first is not None else 1

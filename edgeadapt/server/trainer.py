@@ -27,8 +27,6 @@ the step every block's owner broadcasts its new weights.
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import logging
 import math
 import os
@@ -39,16 +37,16 @@ import torch
 from torch import nn
 
 from ..sched.ir import Graph
-from ..sched.errors import BudgetExceeded
 from ..sched.offload import plan_offload
 from ..sched.plan import Plan, format_bytes, parse_bytes
 from . import checkpoint as _ckpt
 from .allocator import set_mmap_threshold
 from .executor import StreamingExecutor
 from ..optimizer_config import OptimizerConfig
-from .residency import MemoryLedger, Residency
+from .residency import MemoryLedger
+from .steps import InMemorySteps, StepStrategy, StreamedSteps
 from .store import DiskStore, HostStore
-from .trace import Block, find_blocks, trace_graph
+from .trace import Block, find_blocks, nested_tensors, trace_graph
 
 __all__ = ["Trainer", "resolve_device", "LOSSES", "offload_plan", "plan_training"]
 
@@ -83,14 +81,6 @@ def resolve_device(device: str | torch.device) -> torch.device:
                 "install a CUDA build of torch on a machine with a GPU, or use --device cpu / device='cpu'")
         return torch.device(name)
     raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    return []
 
 
 def offload_plan(graph: Graph, batch: int, *, budget_bytes: int | None, offload: str, device: torch.device,
@@ -129,7 +119,7 @@ def plan_training(model: nn.Module, example_input, *, offload: str = "host", mem
     blocks = find_blocks(model)
     whole = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     graph = trace_graph(model, example_input, blocks)
-    return offload_plan(graph, int(_tensors(example_input)[0].shape[0]),
+    return offload_plan(graph, int(nested_tensors(example_input)[0].shape[0]),
                         budget_bytes=None if memory_budget is None else parse_bytes(memory_budget),
                         offload=offload, device=resolve_device(device), optimizer=optimizer, recompute=recompute,
                         prefetch_depth=prefetch_depth,
@@ -239,26 +229,13 @@ class Trainer:
         if example_input is not None:
             self._graph = trace_graph(model, example_input, self.blocks)
 
+        self.executor: StreamingExecutor | None = None
+        self.store = None
+        self._steps: StepStrategy
         if offload is None:
-            self.executor = None
-            model.to(self.device)
-            params = [p for p in model.parameters()]
-            if self.spec.name == "adamw":
-                self._opt = torch.optim.AdamW(params, lr=self.spec.lr, betas=self.spec.betas, eps=self.spec.eps,
-                                              weight_decay=self.spec.weight_decay, foreach=True)
-            else:
-                self._opt = torch.optim.SGD(params, lr=self.spec.lr, foreach=True)
-            state_copies = 1 + len(self.spec.state_kinds)
-            need = self.buffer_bytes + sum(4 * p.numel() for p in params) * (1 + state_copies)
-            if self.budget_bytes is not None and need > self.budget_bytes:
-                raise BudgetExceeded(
-                    need, self.budget_bytes, "in-memory training",
-                    detail=f"weights, gradients and {self.spec.name} state alone take {format_bytes(need)}; "
-                           "use offload='host' or 'disk'")
-            self.ledger.reserve("buffers", self.buffer_bytes)
-            self.ledger.reserve("weights", sum(4 * p.numel() for p in params))
-            self.ledger.reserve("optimizer", sum(4 * p.numel() for p in params) * len(self.spec.state_kinds))
-            self.store = None
+            self._steps = InMemorySteps(model, self.blocks, self.spec, self.ledger, self.device,
+                                        budget_bytes=self.budget_bytes, buffer_bytes=self.buffer_bytes,
+                                        reduce=lambda name, grads: self._reduce(name, grads))
         else:
             numels = [sum(p.numel() for p in b.parameters()) for b in self.blocks]
             kinds = ("param", *self.spec.state_kinds)
@@ -277,7 +254,7 @@ class Trainer:
             else:
                 self.store = HostStore(numels, kinds, pin=self.device.type == "cuda", state_blocks=owned)
             if self._graph is not None:
-                self._plan_for(int(_tensors(example_input)[0].shape[0]))
+                self._plan_for(int(nested_tensors(example_input)[0].shape[0]))
             self.executor = StreamingExecutor(self.blocks, self.store, self.ledger, self.device,
                                               self._plans.get(self._first_batch(), None) or self._default_plan(),
                                               self.spec, reduce=lambda name, grads: self._reduce(name, grads),
@@ -289,6 +266,7 @@ class Trainer:
                     if b is not None:
                         mod._buffers[name] = b.to(self.device)
             self.ledger.reserve("buffers", self.buffer_bytes)
+            self._steps = StreamedSteps(model, self.blocks, self.spec, self.executor, self.store, self.sharding)
 
     # ---- planning ---------------------------------------------------------------------
     def _first_batch(self) -> int:
@@ -315,19 +293,15 @@ class Trainer:
     @property
     def plan(self) -> Plan | None:
         """The plan of the latest batch size (``None`` in memory)."""
-        return self.executor.plan if self.executor is not None else None
+        return self._steps.plan
 
     @property
     def lr(self) -> float:
-        return self.executor.lr if self.executor is not None else self._opt.param_groups[0]["lr"]
+        return self._steps.lr
 
     @lr.setter
     def lr(self, value: float) -> None:
-        if self.executor is not None:
-            self.executor.lr = float(value)
-        else:
-            for g in self._opt.param_groups:
-                g["lr"] = float(value)
+        self._steps.lr = float(value)
 
     # ---- training ---------------------------------------------------------------------
     def step(self, x, y) -> float:
@@ -343,21 +317,18 @@ class Trainer:
             FloatingPointError: the loss is NaN or infinite (no update applied).
             BudgetExceeded: this batch size does not fit the budget.
         """
-        xs = [t.to(self.device) for t in _tensors(x)]
+        xs = [t.to(self.device) for t in nested_tensors(x)]
         x = xs[0] if isinstance(x, torch.Tensor) else type(x)(xs)
         y = y.to(self.device)
         batch = int(xs[0].shape[0])
         if self._graph is None:
-            with self.executor.uninstalled() if self.executor is not None else contextlib.nullcontext():
+            with self._steps.tracing():
                 self._graph = trace_graph(self._model, x, self.blocks, param_shapes=self.param_shapes)
         in_bytes = sum(t.numel() * t.element_size() for t in xs) + y.numel() * y.element_size()
         plan = self._plan_for(batch)
         micro = plan.micro_batch_windows if plan is not None else batch
         parts = [(a, min(batch, a + micro)) for a in range(0, batch, micro)]
-        if self.executor is not None:
-            self.executor.set_plan(plan)
-            if len(parts) > 1:
-                self.store.add_accumulators()
+        self._steps.prepare(plan, len(parts))
         self.ledger.reserve("input", in_bytes)
         try:
             if len(parts) == 1:
@@ -378,10 +349,9 @@ class Trainer:
         """The forward and backward of one (micro-)batch, and with the last one the update; returns its
         (weighted) loss."""
         outside: list[torch.Tensor] = []
-        ex = self.executor
+        steps = self._steps
         try:
-            if ex is not None:
-                ex.begin_step(micro=micro, micro_count=micro_count)
+            steps.begin(micro, micro_count)
 
             def pack(t):
                 outside.append(t)
@@ -392,39 +362,18 @@ class Trainer:
                 loss = self.loss_fn(out, y)
                 if scale is not None:
                     loss = loss * scale
-            if ex is not None:
-                ex.charge_activations("outside", outside + _tensors(out) + [loss])
-            else:
-                self._charge_in_memory(outside + _tensors(out))
+            steps.charge(outside, nested_tensors(out), loss)
             del out
             value = float(loss.detach())
             if not math.isfinite(value):
                 raise FloatingPointError(f"loss became {value} at step {self.step_count + 1}; no update was applied. "
                                          "Lower the learning rate or check the data for extreme values")
-            if ex is None:
-                self._opt.zero_grad(set_to_none=True)
-                self.ledger.reserve("grads", sum(4 * p.numel() for p in self._model.parameters()))
+            steps.before_backward()
             loss.backward()
             del loss, outside
-            if ex is not None:
-                # the backward freed what the ops outside the blocks saved; then the root block's update
-                self.ledger.release("activations:outside")
-                ex.update_resident()
-                if self.sharding is not None:  # ZeRO-1: owners send the updated weights
-                    self.sharding.broadcast_weights(ex)
-            if ex is None:
-                for b in self.blocks:
-                    grads = [p.grad for p in b.parameters() if p.grad is not None]
-                    self._reduce(b.name, grads)
-                self._opt.step()
-                self._opt.zero_grad(set_to_none=True)
+            steps.after_backward()
         finally:
-            if ex is not None:
-                ex.end_step()
-                self.ledger.release("activations:outside")
-            else:
-                self.ledger.release("grads")
-                self.ledger.release("activations")
+            steps.end()
         return value
 
     @torch.no_grad()
@@ -432,27 +381,16 @@ class Trainer:
         """The model's output for ``x`` with the current weights, streamed block by block (no
         gradient, no update; BatchNorm in eval mode, dropout off). The whole model is never
         gathered, unlike :meth:`model`."""
-        xs = [t.to(self.device) for t in _tensors(x)]
+        xs = [t.to(self.device) for t in nested_tensors(x)]
         self._model.eval()
         self.ledger.reserve("input", sum(t.numel() * t.element_size() for t in xs))
         try:
-            if self.executor is not None:
-                self.executor.begin_step()
+            self._steps.begin(0, 1)
             return self._model(*xs)
         finally:
-            if self.executor is not None:
-                self.executor.end_step()
+            self._steps.end()
             self.ledger.release("input")
             self._model.train()
-
-    def _charge_in_memory(self, tensors: list[torch.Tensor]) -> None:
-        seen: dict[int, int] = {}
-        params = {p.untyped_storage().data_ptr() for p in self._model.parameters()}
-        for t in tensors:
-            ptr = t.untyped_storage().data_ptr()
-            if ptr and ptr not in params:
-                seen[ptr] = t.untyped_storage().nbytes()
-        self.ledger.reserve("activations", sum(seen.values()))
 
     # ---- reports ----------------------------------------------------------------------
     @property
@@ -469,9 +407,7 @@ class Trainer:
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state (AdamW moments) this process holds, in whatever tier; with
         ``shard_optimizer_state`` about ``1 / world_size`` of the whole."""
-        if self.executor is None:
-            return sum(4 * p.numel() for p in self._model.parameters()) * len(self.spec.state_kinds)
-        return self.store.optimizer_state_bytes
+        return self._steps.optimizer_state_bytes
 
     def residency(self) -> dict:
         """Block states, bytes per tier and the optimizer state held by this process.
@@ -482,86 +418,28 @@ class Trainer:
             ledger holds now; host/disk: master weights and optimizer state kept there (with
             ``shard_optimizer_state``, only this rank's share of the optimizer state).
         """
-        if self.executor is None:
-            blocks = {b.name: Residency.RESIDENT.value for b in self.blocks}
-            tiers = {"compute": self.ledger.current_bytes, "host": 0, "disk": 0}
-        else:
-            blocks = {s.name: s.state.value for s in self.executor.slots}
-            tiers = {"compute": self.ledger.current_bytes, "host": 0, "disk": 0}
-            tiers[self.store.tier] = self.store.total_bytes
-        return {"blocks": blocks, "tiers": tiers, "optimizer_state_bytes": self.optimizer_state_bytes}
+        tiers = {"compute": self.ledger.current_bytes, **self._steps.tier_bytes()}
+        return {"blocks": self._steps.block_residency(), "tiers": tiers,
+                "optimizer_state_bytes": self.optimizer_state_bytes}
 
     # ---- state ------------------------------------------------------------------------
     def block_state(self, index: int) -> dict[str, dict[str, torch.Tensor]]:
         """``{kind: {param name: CPU tensor}}`` for block ``index`` (kinds: param + optimizer state),
         plus ``"steps": {param name: tensor(int)}``. With ``shard_optimizer_state`` a block another
         rank owns has ``param`` and ``steps`` only."""
-        b = self.blocks[index]
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        if self.executor is None:
-            params = dict(zip(b.param_names, b.parameters()))
-            out["param"] = {n: p.detach().cpu().clone() for n, p in params.items()}
-            for k in self.spec.state_kinds:
-                out[k] = {n: (self._opt.state[p][k].detach().cpu().clone() if p in self._opt.state
-                              else torch.zeros_like(p, device="cpu")) for n, p in params.items()}
-            out["steps"] = {n: torch.tensor(int(self._opt.state[p]["step"]) if p in self._opt.state
-                                            and "step" in self._opt.state[p] else 0)
-                            for n, p in params.items()}
-            return out
-        slot = self.executor.slots[index]
-        for k in ("param", *self.spec.state_kinds):
-            if not self.store.holds(index, k):
-                continue
-            flat = self.store.read(index, k).clone()
-            out[k] = {n: v.clone() for n, v in zip(b.param_names, slot.views(flat))}
-        out["steps"] = {n: torch.tensor(s) for n, s in zip(b.param_names, slot.steps)}
-        return out
+        return self._steps.block_state(index)
 
     def set_block_state(self, index: int, state: dict[str, dict[str, torch.Tensor]]) -> None:
         """Inverse of :meth:`block_state` (optimizer state of a block another rank owns is skipped)."""
-        b = self.blocks[index]
-        if self.executor is None:
-            params = dict(zip(b.param_names, b.parameters()))
-            with torch.no_grad():
-                for n, p in params.items():
-                    p.copy_(state["param"][n])
-                    steps = int(state["steps"][n])
-                    if self.spec.name == "adamw" and steps > 0:
-                        self._opt.state[p] = {"step": torch.tensor(float(steps)),
-                                              **{k: state[k][n].to(p.device).clone() for k in self.spec.state_kinds}}
-                    else:
-                        self._opt.state.pop(p, None)
-            return
-        slot = self.executor.slots[index]
-        for k in ("param", *self.spec.state_kinds):
-            if not self.store.holds(index, k):
-                continue
-            flat = torch.empty(slot.numel, dtype=torch.float32)
-            for n, v in zip(b.param_names, slot.views(flat)):
-                v.copy_(state[k][n])
-            self.store.write(index, k, flat)
-        slot.steps = [int(state["steps"][n]) for n in b.param_names]
+        self._steps.set_block_state(index, state)
 
     def buffers(self) -> dict[str, torch.Tensor]:
+        """The model's buffers as CPU copies."""
         return {n: b.detach().cpu().clone() for n, b in self._model.named_buffers()}
 
     def model(self) -> nn.Module:
         """A CPU copy of the model with the current weights and buffers (an ordinary module)."""
-        if self.executor is None:
-            return copy.deepcopy(self._model).cpu()
-        m = copy.deepcopy(self._model)
-        if self.executor.root_hook_id is not None:
-            m._forward_pre_hooks.pop(self.executor.root_hook_id, None)
-        for b in self.blocks:
-            if not b.resident:
-                m.get_submodule(b.name).__dict__.pop("forward", None)
-        for i, b in enumerate(self.blocks):
-            slot = self.executor.slots[i]
-            st = dict(zip(b.param_names, (v.clone() for v in slot.views(self.store.read(i, "param")))))
-            for full, t in st.items():
-                owner, _, leaf = full.rpartition(".")
-                m.get_submodule(owner)._parameters[leaf] = nn.Parameter(t)
-        return m.cpu()
+        return self._steps.model_copy()
 
     def signature(self) -> dict:
         """What a checkpoint must match: the model's parameters and the training configuration."""
@@ -591,12 +469,13 @@ class Trainer:
         _ckpt.check_signature(sd["signature"], self.signature())
         for i, bs in enumerate(sd["blocks"]):
             self.set_block_state(i, bs)
-        self._load_buffers(sd["buffers"])
+        self.load_buffers(sd["buffers"])
         self.step_count = int(sd["step"])
         self.lr = float(sd.get("lr", self.lr))
         _ckpt.set_rng_state(sd["rng"])
 
-    def _load_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
+    def load_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
+        """Copy ``buffers`` (:meth:`buffers` output) into the model's buffers."""
         with torch.no_grad():
             for n, b in self._model.named_buffers():
                 b.copy_(buffers[n])
@@ -626,9 +505,7 @@ class Trainer:
 
     def close(self) -> None:
         """Stop the prefetch thread and remove the disk tier's files."""
-        if self.executor is not None:
-            self.executor.close()
-            self.store.close()
+        self._steps.close()
 
     def __enter__(self) -> Trainer:
         return self
