@@ -4,22 +4,14 @@ hang, a raw exception or a training run on a bundle whose checksums do not match
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 
 import pytest
-from helpers import REPO
+
+from edgeadapt.harness import fault_injection as fi
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("fault_injection", REPO / "benchmarks" / "fault_injection.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["fault_injection"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def _check(fi, cases, results):
+def _check(cases, results):
     leaks = [(c["model"], c["kind"], c["file"], r) for c, r in zip(cases, results)
              if r["outcome"] not in ("refused", "harmless", "noop", "trained")]
     assert not leaks, leaks
@@ -34,13 +26,12 @@ def _check(fi, cases, results):
 
 
 def _run(tmp_path, models, n_corrupt):
-    fi = _load_script()
     bundles = fi.export_reference_bundles(tmp_path, models)
     cases = fi.make_cases(bundles, n_corrupt, seed=0)
     kinds = {c["kind"] for c in cases}
     assert kinds == set(fi.KINDS)
     results = fi.run_cases(bundles, cases, timeout_s=120)
-    _check(fi, cases, results)
+    _check(cases, results)
 
 
 def test_every_damaged_cnn_bundle_is_refused_naming_the_file(tmp_path):
@@ -52,9 +43,8 @@ def test_every_damaged_reference_bundle_is_refused_naming_the_file(tmp_path):
     _run(tmp_path, ["cnn", "mobilenet", "transformer"], n_corrupt=20)
 
 
-def test_the_harness_reports_crashes_and_hangs(tmp_path, monkeypatch):
+def test_the_harness_reports_crashes_and_hangs(tmp_path):
     """A worker that dies from a signal or stops answering is recorded, and the next case runs."""
-    fi = _load_script()
     code = tmp_path / "worker.py"
     code.write_text(
         "import os, signal, sys, time\n"
@@ -65,6 +55,6 @@ def test_the_harness_reports_crashes_and_hangs(tmp_path, monkeypatch):
         "    if i == 1: time.sleep(60)\n"
         "    print(f'RESULT {i} {{\"outcome\": \"refused\"}}', flush=True)\n"
     )
-    monkeypatch.setattr(fi, "__file__", str(code))
-    results = fi.run_cases({"m": tmp_path}, [{"model": "m", "kind": "delete", "file": "x"}] * 3, timeout_s=3)
+    results = fi.run_cases({"m": tmp_path}, [{"model": "m", "kind": "delete", "file": "x"}] * 3, timeout_s=3,
+                           worker=[sys.executable, str(code)])
     assert [r["outcome"] for r in results] == ["crash", "hang", "refused"]
