@@ -73,6 +73,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from edgeadapt.harness.budget_check import budget_ladder  # noqa: E402  (after the path setup)
+from edgeadapt.units import format_bytes  # noqa: E402
 
 log = logging.getLogger("budget_sweep")
 
@@ -89,13 +90,6 @@ IMPORTANCE_WINDOWS = 128
 # ------------------------------------------------------------------------------------------
 # Pure helpers
 # ------------------------------------------------------------------------------------------
-def fmt_bytes(n: float | None) -> str:
-    """KiB below 1 MiB, MiB above ('-' for None)."""
-    if n is None:
-        return "-"
-    return f"{n / MB:.2f} MiB" if n >= MB else f"{n / KIB:.0f} KiB"
-
-
 def ratio(a: float | None, b: float | None) -> float | None:
     """``a / b``, None when either is missing or ``b`` is 0."""
     if a is None or b is None or b == 0:
@@ -322,9 +316,9 @@ def memory_sweep(args, work: Path) -> dict[str, Any]:
         t0 = time.perf_counter()
         sched.plan_for_budget(graph, mid, n_windows=args.n_windows, batch_windows=args.batch)
         ladder["plan_for_budget_s"], ladder["plan_for_budget_at_bytes"] = time.perf_counter() - t0, mid
-        print(f"{name}: {ladder['n_ops']} ops; smallest feasible budget {fmt_bytes(ladder['minimum_budget_bytes'])}, "
-              f"full fine-tuning predicted {fmt_bytes(ladder['full_predicted_bytes'])}; budgets "
-              + ", ".join(fmt_bytes(b) for b in ladder["budgets"]), flush=True)
+        print(f"{name}: {ladder['n_ops']} ops; smallest feasible budget {format_bytes(ladder['minimum_budget_bytes'])}, "
+              f"full fine-tuning predicted {format_bytes(ladder['full_predicted_bytes'])}; budgets "
+              + ", ".join(format_bytes(b) for b in ladder["budgets"]), flush=True)
         mdir = work / name
         mdir.mkdir(parents=True)
         state = mdir / "state.pt"
@@ -334,9 +328,9 @@ def memory_sweep(args, work: Path) -> dict[str, Any]:
                       "epochs": args.epochs, "threads": args.threads, "seed": args.seed, "lr": args.lr}
         torch_runs = [run_worker("torch", torch_spec, mdir / f"torch{r}") for r in range(args.repeats)]
         eager = _median_report(torch_runs)
-        print(f"  torch eager full FT: step {fmt_bytes(eager['step_peak_bytes'])} / anon "
-              f"{fmt_bytes(eager['step_peak_anon_bytes'])}, loop {fmt_bytes(eager['call_peak_bytes'])} / anon "
-              f"{fmt_bytes(eager['call_peak_anon_bytes'])}", flush=True)
+        print(f"  torch eager full FT: step {format_bytes(eager['step_peak_bytes'])} / anon "
+              f"{format_bytes(eager['step_peak_anon_bytes'])}, loop {format_bytes(eager['call_peak_bytes'])} / anon "
+              f"{format_bytes(eager['call_peak_anon_bytes'])}", flush=True)
         rows = []
         for i, budget in enumerate(ladder["budgets"]):
             bundle = mdir / f"bundle{i}"
@@ -390,11 +384,11 @@ def _median_report(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _memory_line(r: dict[str, Any]) -> str:
     if "error" in r:
-        return f"budget {fmt_bytes(r['budget_bytes'])}: {r['error'][:200]}"
-    return (f"budget {fmt_bytes(r['budget_bytes']):>10}: {r['trainable_numel']:>7,} el., micro {r['micro_batch_windows']}, "
+        return f"budget {format_bytes(r['budget_bytes'])}: {r['error'][:200]}"
+    return (f"budget {format_bytes(r['budget_bytes']):>10}: {r['trainable_numel']:>7,} el., micro {r['micro_batch_windows']}, "
             f"cut {r['cut']}{' cached' if r['cache_features'] else ''}, recompute {r['recomputed']}; predicted "
-            f"{fmt_bytes(r['predicted_peak_bytes'])}, measured call {fmt_bytes(r['call_peak_bytes'])} / anon "
-            f"{fmt_bytes(r['call_peak_anon_bytes'])}, step {fmt_bytes(r['step_peak_bytes'])}; torch/runner "
+            f"{format_bytes(r['predicted_peak_bytes'])}, measured call {format_bytes(r['call_peak_bytes'])} / anon "
+            f"{format_bytes(r['call_peak_anon_bytes'])}, step {format_bytes(r['step_peak_bytes'])}; torch/runner "
             f"{_x(r['torch_over_runner'])} / anon {_x(r['torch_over_runner_anon'])}")
 
 
@@ -427,10 +421,10 @@ def memory_markdown(res: dict[str, Any]) -> str:
     for name, m in res["models"].items():
         lad, eager = m["ladder"], m["torch_eager"]
         lines += [
-            f"**{name}** ({lad['n_ops']} ops): smallest feasible budget {fmt_bytes(lad['minimum_budget_bytes'])}; "
-            f"torch eager full FT: first step {fmt_bytes(eager['step_peak_bytes'])} (anon "
-            f"{fmt_bytes(eager['step_peak_anon_bytes'])}), whole loop {fmt_bytes(eager['call_peak_bytes'])} (anon "
-            f"{fmt_bytes(eager['call_peak_anon_bytes'])}).",
+            f"**{name}** ({lad['n_ops']} ops): smallest feasible budget {format_bytes(lad['minimum_budget_bytes'])}; "
+            f"torch eager full FT: first step {format_bytes(eager['step_peak_bytes'])} (anon "
+            f"{format_bytes(eager['step_peak_anon_bytes'])}), whole loop {format_bytes(eager['call_peak_bytes'])} (anon "
+            f"{format_bytes(eager['call_peak_anon_bytes'])}).",
             "",
             "| budget | trains (elements) | micro-batch | cut (cached) | recompute | predicted | call total | call anon "
             "| step total | step anon | pred/meas | anon/budget | torch/runner total | torch/runner anon |",
@@ -438,14 +432,14 @@ def memory_markdown(res: dict[str, Any]) -> str:
         ]
         for r in m["rows"]:
             if "error" in r:
-                lines.append(f"| {fmt_bytes(r['budget_bytes'])} | error: {r['error'][:160]} |" + " |" * 12)
+                lines.append(f"| {format_bytes(r['budget_bytes'])} | error: {r['error'][:160]} |" + " |" * 12)
                 continue
             lines.append(
-                f"| {fmt_bytes(r['budget_bytes'])} | {r['trainable_numel']:,} | {r['micro_batch_windows']} | "
+                f"| {format_bytes(r['budget_bytes'])} | {r['trainable_numel']:,} | {r['micro_batch_windows']} | "
                 f"{r['cut']}{' (yes)' if r['cache_features'] else ''} | {r['recomputed']} | "
-                f"{fmt_bytes(r['predicted_peak_bytes'])} | {fmt_bytes(r['call_peak_bytes'])} | "
-                f"{fmt_bytes(r['call_peak_anon_bytes'])} | {fmt_bytes(r['step_peak_bytes'])} | "
-                f"{fmt_bytes(r['step_peak_anon_bytes'])} | {_x(r['predicted_over_measured'], 2)} "
+                f"{format_bytes(r['predicted_peak_bytes'])} | {format_bytes(r['call_peak_bytes'])} | "
+                f"{format_bytes(r['call_peak_anon_bytes'])} | {format_bytes(r['step_peak_bytes'])} | "
+                f"{format_bytes(r['step_peak_anon_bytes'])} | {_x(r['predicted_over_measured'], 2)} "
                 f"({_x(r['predicted_over_measured_anon'], 2)}) | "
                 f"{_x(ratio(r['call_peak_anon_bytes'], r['budget_bytes']), 2)} | {_x(r['torch_over_runner'])} | "
                 f"{_x(r['torch_over_runner_anon'])} |")
@@ -459,13 +453,13 @@ def memory_markdown(res: dict[str, Any]) -> str:
     c = res["chain"]
     lim = c["limits"][0]
     lines.append(f"- remat DP on a {c['n_ops']}-op chain: least peak {c['min_peak_s'] * 1e3:.0f} ms "
-                 f"(CPU {c['min_peak_cpu_s'] * 1e3:.0f} ms; {fmt_bytes(c['min_peak_bytes'])} per window vs keep-all "
-                 f"{fmt_bytes(c['keep_all_peak_bytes'])}, sqrt(n) {fmt_bytes(c['sqrt_peak_bytes'])}); least FLOPs under "
-                 f"{fmt_bytes(lim['limit_bytes'])}: {lim['min_flops_s'] * 1e3:.0f} ms (CPU {lim['min_flops_cpu_s'] * 1e3:.0f} ms)")
+                 f"(CPU {c['min_peak_cpu_s'] * 1e3:.0f} ms; {format_bytes(c['min_peak_bytes'])} per window vs keep-all "
+                 f"{format_bytes(c['keep_all_peak_bytes'])}, sqrt(n) {format_bytes(c['sqrt_peak_bytes'])}); least FLOPs under "
+                 f"{format_bytes(lim['limit_bytes'])}: {lim['min_flops_s'] * 1e3:.0f} ms (CPU {lim['min_flops_cpu_s'] * 1e3:.0f} ms)")
     for name, m in res["models"].items():
         lad = m["ladder"]
         lines.append(f"- {name}: graph IR from ONNX {lad['graph_s']:.2f} s, minimum_budget {lad['minimum_budget_s']:.2f} s, "
-                     f"plan_for_budget({fmt_bytes(lad['plan_for_budget_at_bytes'])}) {lad['plan_for_budget_s']:.2f} s")
+                     f"plan_for_budget({format_bytes(lad['plan_for_budget_at_bytes'])}) {lad['plan_for_budget_s']:.2f} s")
     lines.append("")
     lines.append(f"Host: {res['host'].get('cpu', {}).get('model', '?')}, load average at start "
                  f"{res['loadavg_start'][0]:.1f}; versions {res['host'].get('versions', {})}.")
@@ -547,14 +541,14 @@ def loso_sweep(args, work: Path, on_fold=None) -> dict[str, Any]:
                           count=args.budgets, extra=tuple(args.extra_budget))
     ladder.pop("graph")
     budgets = ladder["budgets"]
-    print("budgets: " + ", ".join(fmt_bytes(b) for b in budgets), flush=True)
+    print("budgets: " + ", ".join(format_bytes(b) for b in budgets), flush=True)
     state = work / "probe_state.pt"
     torch.save(probe.state_dict(), state)
     eager = run_worker("torch", {"model": "cnn", "state_dict": str(state), "n_channels": shape[0],
                                  "n_classes": n_classes, "time_steps": shape[1], "n_windows": n_windows,
                                  "batch_windows": args.loso_batch, "epochs": args.loso_epochs, "threads": args.threads,
                                  "seed": args.seed, "lr": args.lr}, work / "torch")
-    methods = [f"budget {fmt_bytes(b)}" for b in budgets] + list(PRESETS)
+    methods = [f"budget {format_bytes(b)}" for b in budgets] + list(PRESETS)
     rows: list[dict[str, Any]] = []
     t_start = time.perf_counter()
     for fi, target in enumerate(subjects):
@@ -670,8 +664,8 @@ def loso_markdown(res: dict[str, Any]) -> str:
         f"by importance measured on {IMPORTANCE_WINDOWS} labelled source-subject windows of the fold (empirical Fisher); "
         "preset rows: hand-written policies (no budget). Each adaptation ran in a fresh torch-free process; memory = "
         "median over subjects of the measured whole adapt call over the loaded runner (total VmHWM delta / anon "
-        f"RssAnon). Torch eager full fine-tuning, same batch and epochs, whole loop: {fmt_bytes(e['call_peak_bytes'])} "
-        f"total, {fmt_bytes(e['call_peak_anon_bytes'])} anon.",
+        f"RssAnon). Torch eager full fine-tuning, same batch and epochs, whole loop: {format_bytes(e['call_peak_bytes'])} "
+        f"total, {format_bytes(e['call_peak_anon_bytes'])} anon.",
         "",
         "| method | subjects | mean acc | worst acc (subj) | vs full (points) | trains (el.) | predicted | call total "
         "| call anon | torch/runner total | torch/runner anon |",
@@ -687,8 +681,8 @@ def loso_markdown(res: dict[str, Any]) -> str:
             f"{s['worst_accuracy']:.3f} ({s['worst_subject']}) | "
             f"{'-' if vs is None else f'{vs:+.1f}'} | "
             f"{_count(s['median_trainable_numel'])} | "
-            f"{fmt_bytes(s['median_predicted_peak_bytes'])} | {fmt_bytes(s['median_call_peak_bytes'])} | "
-            f"{fmt_bytes(s['median_call_peak_anon_bytes'])} | {_x(s['torch_over_runner'])} | "
+            f"{format_bytes(s['median_predicted_peak_bytes'])} | {format_bytes(s['median_call_peak_bytes'])} | "
+            f"{format_bytes(s['median_call_peak_anon_bytes'])} | {_x(s['torch_over_runner'])} | "
             f"{_x(s['torch_over_runner_anon'])} |")
     failed = {m: s["errors"] for m, s in lo["summary"].items() if s.get("errors")}
     if failed:
@@ -748,7 +742,7 @@ def plot_loso(res: dict[str, Any], path: Path) -> None:
 # Command line
 # ------------------------------------------------------------------------------------------
 def _bytes_arg(text: str) -> int:
-    from edgeadapt.sched.plan import parse_bytes
+    from edgeadapt.units import parse_bytes
 
     try:
         return parse_bytes(text)

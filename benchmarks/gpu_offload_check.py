@@ -163,7 +163,7 @@ def main() -> int:
               "this check only runs on a machine with a GPU. Nothing was measured.")
         return 0
     from edgeadapt.models import GPTConfig
-    from edgeadapt.sched.plan import parse_bytes
+    from edgeadapt.units import parse_bytes
 
     cfg = GPTConfig(vocab_size=args.vocab_size, context_len=args.context_len, d_model=args.d_model,
                     n_layers=args.n_layers, n_heads=args.n_heads)

@@ -69,6 +69,7 @@ from edgeadapt.harness.study import (  # noqa: E402
 )
 from edgeadapt.datasets.shifts import SHIFTS, shift_subject  # noqa: E402
 from edgeadapt.harness.label_free import select_label_free_settings  # noqa: E402
+from edgeadapt.units import format_bytes  # noqa: E402
 from edgeadapt.versions import code_version, host_info  # noqa: E402
 
 log = logging.getLogger("loso")
@@ -123,12 +124,6 @@ def _summary(rows: list[dict], methods: list[str]) -> dict[str, dict]:
     return out
 
 
-def _fmt_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    return f"{n / MB:.2f} MB" if n >= MB else f"{n / 1024:.1f} KB"
-
-
 def _mb(n: float | None) -> str:
     return "-" if n is None else f"{n / MB:.2f}"
 
@@ -176,7 +171,7 @@ def _markdown(result: dict) -> str:
             f"{s['mean_gain_over_source_only']:+.3f} | "
             f"{'-' if m == 'source-only' else str(s['subjects_improved']) + '/' + str(s['subjects_hurt'])} | "
             f"{_lr_cell(s)} | "
-            f"{s['trainable_numel']:,} | {_fmt_bytes(s['trained_bytes'])} | {_fmt_bytes(s['grad_adamw_bytes'])} | "
+            f"{s['trainable_numel']:,} | {format_bytes(s['trained_bytes'])} | {format_bytes(s['grad_adamw_bytes'])} | "
             f"{_mb(s['median_step_peak_bytes'])} / {_mb(s['median_step_peak_anon_bytes'])} | "
             f"{_mb(call)} / {_mb(s['median_call_peak_anon_bytes'])} | {vs_full} | "
             f"{'-' if t is None else f'{t:.2f}'} |"

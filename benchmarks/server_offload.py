@@ -169,7 +169,7 @@ def planner_figures(args: argparse.Namespace) -> dict:
 
     from edgeadapt.models import build_gpt
     from edgeadapt.sched.offload import plan_offload
-    from edgeadapt.sched.plan import parse_bytes
+    from edgeadapt.units import parse_bytes
     from edgeadapt.server.trace import trace_graph
 
     kwargs = dict(vocab_size=args.vocab_size, context_len=args.context_len, d_model=args.d_model,

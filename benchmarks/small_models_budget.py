@@ -44,7 +44,7 @@ from edgeadapt.harness.budget_check import USER_MODELS as MODELS, build  # noqa:
 def run(models, budgets, repeats: int, tmp: Path) -> list[dict]:
     from edgeadapt.export import export_bundle
     from edgeadapt.plan_cli import measure_adapt, plan_report
-    from edgeadapt.sched.plan import parse_bytes
+    from edgeadapt.units import parse_bytes
 
     rows = []
     for name in models:

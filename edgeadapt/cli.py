@@ -15,6 +15,7 @@ import zipfile
 from pathlib import Path
 
 from .interrupt import INTERRUPTED
+from .units import format_bytes
 
 __all__ = ["main", "build_parser"]
 
@@ -83,14 +84,6 @@ def _printable(text: str, keep: str = "") -> str:
     return "".join(c if c.isprintable() or c in keep else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
-def _format_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
 # ---- commands -------------------------------------------------------------------------
 def cmd_export(args: argparse.Namespace) -> int:
     import torch
@@ -114,8 +107,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     print(f"exported {args.out}: {manifest.trainable_numel:,} of {manifest.total_numel:,} parameter elements train")
     predicted = (manifest.plan or {}).get("predicted_peak_bytes")
     if predicted is not None:
-        from .sched.plan import format_bytes
-
         budget = f" (budget {format_bytes(manifest.plan['budget_bytes'])})" if manifest.plan.get("budget_bytes") else ""
         print(f"predicted peak of an adapt call over {manifest.plan['n_windows']} windows: "
               f"{format_bytes(predicted)}{budget}; details: edgeadapt plan {args.out}")
@@ -164,8 +155,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     echo(f"batchnorm   {s['batchnorm']}   state: {s['state']}")
     pct = 100.0 * s["trainable_numel"] / max(1, s["total_numel"])
     echo(f"trains      {s['trainable_numel']:,} of {s['total_numel']:,} elements ({pct:.2f}%)")
-    echo(f"update mem  params {_format_bytes(s['trainable_bytes'])} + grads {_format_bytes(s['gradient_bytes'])}"
-         f" + optimizer state {_format_bytes(s['optimizer_state_bytes'])}")
+    echo(f"update mem  params {format_bytes(s['trainable_bytes'])} + grads {format_bytes(s['gradient_bytes'])}"
+         f" + optimizer state {format_bytes(s['optimizer_state_bytes'])}")
     echo("parameters:")
     for p in s["parameters"]:
         if p["trainable_numel"] or args.all:
@@ -175,7 +166,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         echo(f"  ... {n_frozen} frozen parameters (--all lists them)")
     echo("files:")
     for name, f in s["files"].items():
-        echo(f"  {name:<32} {_format_bytes(f['bytes']):>10}  sha256 {f['sha256'][:16]}")
+        echo(f"  {name:<32} {format_bytes(f['bytes']):>10}  sha256 {f['sha256'][:16]}")
     echo("versions:   " + ", ".join(f"{k} {v}" for k, v in s["versions"].items()))
     return 0
 

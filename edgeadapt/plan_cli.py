@@ -20,13 +20,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .units import format_bytes
+
 __all__ = ["plan_report", "format_report", "measure_adapt", "draw_timeline", "cmd_plan", "add_plan_parser"]
-
-
-def format_bytes(n: int) -> str:
-    from .sched.plan import format_bytes as fmt  # imported on use: `edgeadapt --help` stays light
-
-    return fmt(n)
 
 
 # ---- the report ---------------------------------------------------------------------------

@@ -25,9 +25,10 @@ from ..onnx_guard import stamp_contract
 from ..progress import Stages
 from ..sched import predict, verify
 from ..sched.ir import Graph
-from ..sched.plan import Action, Plan, parse_bytes
+from ..sched.plan import Action, Plan
 from ..sched.policy import UpdatePolicy
 from ..sched.resolve import resolve_last_layer
+from ..units import parse_bytes
 from ..versions import package_versions
 from .onnx_export import MAX_IR_VERSION, to_onnx
 from .op_rewrites import check_grouped_conv_grads

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ..atomic import atomic_write_json
 from ..sched.errors import NoFeasiblePlan
-from ..sched.plan import format_bytes, parse_bytes
+from ..units import format_bytes, parse_bytes
 from ..datasets import SyntheticConfig, WindowDataset, load_dataset, make_synthetic
 from ..versions import host_info
 from .study import FIXED_LR, METHODS, budget_method, make_split, per_subject_accuracy, pretrain_source, run_method, save_target_data

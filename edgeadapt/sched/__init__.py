@@ -6,12 +6,13 @@ It decides and never touches tensors: policies turn a :class:`Graph` and a budge
 carry plans out. See docs/scheduler.md and docs/cost_model.md.
 """
 
+from ..units import format_bytes, parse_bytes
 from .batching import minimum_budget, plan_for_budget, replan
 from .cost import PHASES, CostModel, predict
 from .errors import BudgetExceeded, NoFeasiblePlan
 from .ir import Graph, Op, Param
 from .offload import BlockTooLarge, plan_offload
-from .plan import Action, Mode, ParamPlan, Peak, Plan, Tier, format_bytes, parse_bytes
+from .plan import Action, Mode, ParamPlan, Peak, Plan, Tier
 from .policy import Rule, UpdatePolicy
 from .remat import Chain, chain_from_graph, min_flops_schedule, min_peak_schedule, sqrt_schedule
 from .resolve import cut_of, plan_from_policy, policy_of_plan, resolve_channels, resolve_params, trained_bytes

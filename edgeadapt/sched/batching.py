@@ -32,10 +32,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from ..units import parse_bytes
 from .cost import CostModel, activation_arrays, clean_cut, predict
 from .errors import NoFeasiblePlan
 from .ir import Graph
-from .plan import Action, Mode, ParamPlan, Peak, Plan, parse_bytes
+from .plan import Action, Mode, ParamPlan, Peak, Plan
 from .policy import UpdatePolicy
 from .remat import chain_from_graph, min_flops_schedule, min_peak_schedule
 from .resolve import cut_of, plan_from_policy

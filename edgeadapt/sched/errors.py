@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .plan import format_bytes
+from ..units import format_bytes
 
 __all__ = ["BudgetExceeded", "NoFeasiblePlan"]
 

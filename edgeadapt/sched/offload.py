@@ -76,9 +76,10 @@ import math
 from dataclasses import dataclass
 from itertools import accumulate
 
+from ..units import format_bytes
 from .errors import BudgetExceeded, NoFeasiblePlan
 from .ir import Graph
-from .plan import Action, Mode, ParamPlan, Peak, Plan, Tier, format_bytes
+from .plan import Action, Mode, ParamPlan, Peak, Plan, Tier
 
 __all__ = ["BudgetExceeded", "NoFeasiblePlan", "BlockTooLarge", "BlockCost", "block_costs", "plan_offload",
            "offload_peak", "micro_batch_sizes", "OPTIMIZER_STATE_COPIES", "RESIDENT_KIND", "CHUNK_CANDIDATES_NUMEL",

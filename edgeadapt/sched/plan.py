@@ -13,14 +13,13 @@ holds; and what the planner predicts the peak to be, and where in the step it oc
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 from .policy import Mode
 
-__all__ = ["Mode", "Tier", "Action", "ParamPlan", "Peak", "Plan", "parse_bytes", "format_bytes", "PLAN_VERSION"]
+__all__ = ["Mode", "Tier", "Action", "ParamPlan", "Peak", "Plan", "PLAN_VERSION"]
 
 PLAN_VERSION = 1
 
@@ -39,37 +38,6 @@ class Action(str, Enum):
     KEEP = "keep"
     RECOMPUTE = "recompute"
     OFFLOAD = "offload"
-
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_bytes(value: int | str) -> int:
-    """Bytes from an int or a string such as ``"512KiB"``, ``"2 GiB"``, ``"1.5MB"``.
-
-    Raises:
-        ValueError: not a positive size; the message shows accepted forms.
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"a memory size must be an int or a string like '512KiB', got {value!r}")
-    if isinstance(value, int):
-        n = value
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgG]i?[bB]|[bB])?\s*", str(value))
-        if not m:
-            raise ValueError(f"memory size {value!r} is not understood; use bytes or e.g. '512KiB', '64MiB', '2GiB'")
-        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
-    if n <= 0:
-        raise ValueError(f"memory size must be > 0 bytes, got {value!r}")
-    return n
-
-
-def format_bytes(n: int) -> str:
-    """``1536`` -> ``"1.50 KiB"``; exact bytes below 1 KiB."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
 
 
 @dataclass(frozen=True)

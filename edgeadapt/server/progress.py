@@ -6,7 +6,7 @@ import time
 
 from tqdm.auto import tqdm
 
-from ..sched.plan import format_bytes
+from ..units import format_bytes
 
 __all__ = ["TrainProgress"]
 

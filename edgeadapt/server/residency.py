@@ -18,7 +18,7 @@ import threading
 from enum import Enum
 
 from ..sched.errors import BudgetExceeded
-from ..sched.plan import format_bytes
+from ..units import format_bytes
 
 __all__ = ["Residency", "MemoryLedger"]
 

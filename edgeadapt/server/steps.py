@@ -20,7 +20,8 @@ from torch import nn
 
 from ..optimizer_config import OptimizerConfig
 from ..sched.errors import BudgetExceeded
-from ..sched.plan import Plan, format_bytes
+from ..sched.plan import Plan
+from ..units import format_bytes
 from .executor import StreamingExecutor
 from .residency import MemoryLedger, Residency
 from .store import StateStore

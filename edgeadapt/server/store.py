@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..sched.plan import format_bytes
+from ..units import format_bytes
 
 __all__ = ["StateStore", "HostStore", "DiskStore", "OffloadDirError", "KINDS", "ACCUMULATOR"]
 

@@ -52,7 +52,7 @@ from ..atomic import atomic_path, atomic_write_json
 from ..datasets import few_shot_split
 from ..interrupt import INTERRUPTED, StopAtStepBoundary
 from ..models import GPT_PRESETS, build_gpt, build_model
-from ..sched.plan import format_bytes, parse_bytes
+from ..units import format_bytes, parse_bytes
 from .data import TokenArray, TokenStream, WindowSource, load_windows
 from .distributed import DistContext, broadcast_parameters, gather_rng_states, init_from_env, shutdown
 

@@ -38,7 +38,8 @@ from torch import nn
 
 from ..sched.ir import Graph
 from ..sched.offload import plan_offload
-from ..sched.plan import Plan, format_bytes, parse_bytes
+from ..sched.plan import Plan
+from ..units import format_bytes, parse_bytes
 from . import checkpoint as _ckpt
 from .allocator import set_mmap_threshold
 from .executor import StreamingExecutor
