@@ -2,8 +2,11 @@
 installed, and what the caller asks for (``auto``, ``portable``, ``ort-training``).
 
 ``auto`` takes the portable step graphs when the bundle holds them (they run on any onnxruntime)
-and the onnxruntime-training graphs otherwise. A bundle whose engines are not installed is
-refused in one line naming the extra to install.
+and the onnxruntime-training graphs otherwise - except for a bundle exported under a memory
+budget that also holds onnxruntime-training graphs, where that engine is installed: the cost
+model that verified the budget is calibrated on onnxruntime-training, not yet on the portable
+executor (docs/cost_model.md), so only that engine is known to keep the budget. A bundle whose
+engines are not installed is refused in one line naming the extra to install.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ def choose_backend(manifest: Manifest, requested: str = "auto", where: str = "th
         raise BundleError(f"{where} holds no {requested} graphs (it holds {held}); use backend 'auto' or re-export it "
                           f"with `edgeadapt export --backend {requested}`")
     candidates = held if requested == "auto" else [requested]
+    if requested == "auto" and (manifest.plan or {}).get("budget_bytes") is not None and "ort-training" in held:
+        candidates = ["ort-training", *(b for b in held if b != "ort-training")]  # the budget's engine first
     for b in candidates:
         if backend_installed(b):
             return b

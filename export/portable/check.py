@@ -2,17 +2,21 @@
 example batch (and the example plus one row), run by the device runtime's
 :class:`~edgeadapt.runtime.portable.PortableBackend` through the prefix model when there is one,
 against torch autograd on the prepared model, with the criteria and tolerances of
-:mod:`export.selfcheck` (loss, output, every trained gradient, one optimizer step)."""
+:mod:`export.selfcheck` (loss, output, every trained gradient, one optimizer step), and the eval
+graph's loss and output against the model in eval mode."""
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 
 import numpy as np
+import torch
 from torch import nn
 
 from ...bundle import Manifest, ParameterEntry
+from ..objectives import torch_loss
 from ..selfcheck import (LOSS_ATOL, LOSS_RTOL, OUTPUT_RTOL, STEP_RTOL, Deviation, SelfCheckError, _labels,
                          _torch_reference, compare_gradients, compare_step, compare_tensor, torch_optimizer_step)
 
@@ -21,16 +25,32 @@ __all__ = ["check_portable"]
 log = logging.getLogger(__name__)
 
 
-def _check_batch(stage: Path, manifest: Manifest, pairs: list[tuple[str, str]], x: np.ndarray, y: np.ndarray | None,
+def _torch_eval(module: nn.Module, x: np.ndarray, y: np.ndarray | None, loss: str) -> tuple[float, np.ndarray]:
+    """The eval graph's reference: the prepared model in eval mode (running statistics), float64."""
+    model = copy.deepcopy(module).double().eval()
+    with torch.no_grad():
+        out = model(torch.from_numpy(x).double())
+        labels = None if y is None else torch.from_numpy(y)
+        if labels is not None and labels.is_floating_point():
+            labels = labels.double()
+        return torch_loss(loss, out, labels).item(), out.numpy()
+
+
+def _check_batch(stage: Path, manifest: Manifest, module: nn.Module, pairs: list[tuple[str, str]], x: np.ndarray, y: np.ndarray | None,
                  ref_loss: float, ref_out: np.ndarray, ref_grads: dict, spread: dict, bounds: dict) -> list[Deviation]:
     from ...runtime.features import open_prefix, suffix_inputs
     from ...runtime.portable import PortableBackend
 
     backend = PortableBackend(stage, manifest, device="cpu", threads=1)
     suffix = f" (portable, batch {len(x)})"
-    loss, out = backend.train_step(suffix_inputs(open_prefix(stage, manifest), x, len(x)), y)
-    checks = [compare_tensor(f"loss{suffix}", np.array(loss), np.array(ref_loss), LOSS_RTOL, LOSS_ATOL),
-              compare_tensor(f"output{suffix}", out, ref_out, OUTPUT_RTOL, LOSS_ATOL)]
+    features = suffix_inputs(open_prefix(stage, manifest), x, len(x))
+    eval_loss, eval_out = _torch_eval(module, x, y, manifest.loss)
+    loss, out = backend.forward(features, y)
+    checks = [compare_tensor(f"eval loss{suffix}", np.array(loss), np.array(eval_loss), LOSS_RTOL, LOSS_ATOL),
+              compare_tensor(f"eval output{suffix}", out, eval_out, OUTPUT_RTOL, LOSS_ATOL)]
+    loss, out = backend.train_step(features, y)
+    checks += [compare_tensor(f"loss{suffix}", np.array(loss), np.array(ref_loss), LOSS_RTOL, LOSS_ATOL),
+               compare_tensor(f"output{suffix}", out, ref_out, OUTPUT_RTOL, LOSS_ATOL)]
     grads = {g: backend.get_gradient(g) for g, _ in pairs}
     checks += compare_gradients(grads, {g: ref_grads[t] for g, t in pairs}, {g: bounds[t] for g, t in pairs},
                                 suffix, spread={g: spread[t] for g, t in pairs})
@@ -62,7 +82,7 @@ def check_portable(stage: Path, manifest: Manifest, module: nn.Module, torch_ent
     for x in (example, np.concatenate([example, example[:1]])):
         y = _labels(manifest, len(x))
         reference = _torch_reference(module, manifest.batchnorm, x, y, manifest.loss, [t for _, t in pairs])
-        checks += _check_batch(stage, manifest, pairs, x, y, *reference)
+        checks += _check_batch(stage, manifest, module, pairs, x, y, *reference)
     failed = [d for d in checks if not d.passed]
     if failed:
         failed.sort(key=lambda d: -d.ratio)

@@ -125,7 +125,31 @@ def _export(fn: Callable, args: list[np.ndarray], batch_axes: list[bool], what: 
     return model
 
 
+def _drop_identities(model: onnx.ModelProto) -> None:
+    """Remove ``Identity`` nodes (torch's ``aten.alias``) whose output is not a graph output,
+    reading their input instead.
+
+    onnxruntime 1.19.2's basic graph optimizations break some graphs holding them: a node fused
+    with a consumer of an Identity's output kept reading that output after the Identity was
+    eliminated ("Missing Input: alias_1" when the eval graph of a channel-subset CNN ran)."""
+    graph = model.graph
+    outputs = {o.name for o in graph.output}
+    source: dict[str, str] = {}
+    kept = []
+    for node in graph.node:
+        if node.op_type == "Identity" and node.domain in ("", "ai.onnx") and node.output[0] not in outputs:
+            source[node.output[0]] = source.get(node.input[0], node.input[0])
+        else:
+            kept.append(node)
+    for node in kept:
+        for i, name in enumerate(node.input):
+            node.input[i] = source.get(name, name)
+    del graph.node[:]
+    graph.node.extend(kept)
+
+
 def _check(model: onnx.ModelProto, what: str) -> None:
+    _drop_identities(model)
     if model.ir_version > MAX_IR_VERSION:
         model.ir_version = MAX_IR_VERSION  # the exporter's IR 10 features only; checked below
     domains = {n.domain for n in model.graph.node} | {o.domain for o in model.opset_import}

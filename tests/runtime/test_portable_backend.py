@@ -185,6 +185,8 @@ def test_a_backend_the_bundle_does_not_hold_is_refused(bundle):
                                              ("ort-training", 'pip install "edgeadapt[device-ort-training]"')])
 def test_an_engine_that_is_not_installed_names_its_extra(monkeypatch, held, extra):
     class _Held:
+        plan = None
+
         def has_backend(self, b):
             return b == held
 
@@ -193,6 +195,21 @@ def test_an_engine_that_is_not_installed_names_its_extra(monkeypatch, held, extr
         engines.choose_backend(_Held(), "auto", "b/")
     message = str(info.value)
     assert extra in message and "\n" not in message
+
+
+@pytest.mark.parametrize(("budget_bytes", "chosen"), [(None, "portable"), (600 * 1024, "ort-training")])
+def test_auto_runs_a_budgeted_bundle_on_the_engine_its_budget_was_verified_for(monkeypatch, budget_bytes, chosen):
+    class _Both:
+        plan = {"budget_bytes": budget_bytes}
+
+        def has_backend(self, b):
+            return True
+
+    monkeypatch.setattr(engines, "backend_installed", lambda b: True)
+    assert engines.choose_backend(_Both(), "auto") == chosen
+    assert engines.choose_backend(_Both(), "portable") == "portable"
+    monkeypatch.setattr(engines, "backend_installed", lambda b: b == "portable")  # e.g. an aarch64 device
+    assert engines.choose_backend(_Both(), "auto") == "portable"
 
 
 def test_onnxruntime_too_old_for_the_opset_names_the_version(bundle, monkeypatch):
