@@ -7,7 +7,8 @@ A staging directory is locked (``flock``) by the process that fills it, so a lat
 tell an abandoned one (its owner was killed: the lock is gone) from one still being filled, and
 removes only the former (:func:`sweep_stale_stages`). Only directories this module made are ever
 removed: the name must be exactly ``.<target name>.<random>.partial`` and the directory must hold
-the marker file :data:`STAGE_MARKER` (removed just before the rename into place).
+the marker file :data:`STAGE_MARKER` (removed from the target right after the rename into place),
+or be empty (its writer died between creating it and writing the marker).
 """
 
 from __future__ import annotations
@@ -129,7 +130,12 @@ def sweep_stale_stages(target: str | os.PathLike) -> list[str]:
         if not name.fullmatch(stage.name) or stage.is_symlink() or not stage.is_dir():
             continue
         if not (stage / STAGE_MARKER).is_file() or (stage / STAGE_MARKER).is_symlink():
-            continue  # not made by staged_directory (or already past its rename)
+            # not made by staged_directory, or its writer died right after creating it (then it
+            # is empty: rmdir removes nothing else)
+            with contextlib.suppress(OSError):
+                stage.rmdir()
+                removed.append(stage.name)
+            continue
         try:
             with directory_lock(stage, exclusive=True, blocking=False) as held:
                 if held:
@@ -164,7 +170,6 @@ def staged_directory(target: str | os.PathLike) -> Iterator[Path]:
         (stage / STAGE_MARKER).touch()
         with directory_lock(stage, exclusive=True):
             yield stage
-            (stage / STAGE_MARKER).unlink()
             _fsync_path(stage)
             try:
                 os.rename(stage, target)
@@ -177,4 +182,8 @@ def staged_directory(target: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
+    # The marker leaves only after the rename: a staging directory killed at any point before it
+    # still carries it (or is empty), so the next save of this target removes it.
+    with contextlib.suppress(FileNotFoundError):
+        (target / STAGE_MARKER).unlink()
     _fsync_path(target.parent)
