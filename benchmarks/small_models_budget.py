@@ -3,7 +3,7 @@
 Exports a few small, generic, user-style models (none of them one the cost model was fitted
 on) with ``export_bundle(net, example, out, memory_budget=B, n_windows=40, batch_windows=16)``
 at a few budgets each (the planner picks what trains) and measures each bundle's whole
-``adapt`` call with ``edgeadapt.plan_cli.measure_adapt`` (the ``edgeadapt plan --measure`` job:
+``adapt`` call with ``edgeadapt.cli.plan.measure_adapt`` (the ``edgeadapt plan --measure`` job:
 a fresh torch-free process, one epoch over the planned windows, the measuring protocol of
 docs/design.md, "Measuring": freed heap returned to the OS before the baseline). Reports the
 predicted peak, the measured anonymous (sampled RssAnon) and total (VmHWM) peaks over the loaded
@@ -43,7 +43,7 @@ from edgeadapt.harness.budget_check import USER_MODELS as MODELS, build  # noqa:
 
 def run(models, budgets, repeats: int, tmp: Path) -> list[dict]:
     from edgeadapt.export import export_bundle
-    from edgeadapt.plan_cli import measure_adapt, plan_report
+    from edgeadapt.cli.plan import measure_adapt, plan_report
     from edgeadapt.units import parse_bytes
 
     rows = []
@@ -85,7 +85,7 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
     kib = 1024.0
     out = [f"# Small models: budget vs measured whole adapt call ({meta['date']})", "",
            f"{N_WINDOWS} windows, batch {BATCH_WINDOWS}, 1 epoch, AdamW, 1 thread, median of {meta['repeats']} fresh "
-           "torch-free processes (`plan_cli.measure_adapt`, freed heap trimmed before the baseline). "
+           "torch-free processes (`edgeadapt.cli.plan.measure_adapt`, freed heap trimmed before the baseline). "
            "KiB over the loaded runner.", "",
            "| model | budget | trains (elements) | micro | cut | predicted | measured anon | measured total | "
            "pred/meas | anon/budget |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]

@@ -21,7 +21,7 @@ def test_wheel_contains_linked_subpackages(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for module in ("edgeadapt/export/__init__.py", "edgeadapt/export/exporter.py",
                    "edgeadapt/datasets/__init__.py", "edgeadapt/datasets/synthetic.py",
-                   "edgeadapt/runtime/runner.py", "edgeadapt/cli.py"):
+                   "edgeadapt/runtime/runner.py", "edgeadapt/cli/__init__.py", "edgeadapt/cli/adapt.py"):
         assert module in names, module
     assert not any(n.startswith(("export/", "datasets/", "tests/")) for n in names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))

@@ -13,7 +13,7 @@ from helpers import make_cnn, strip_plan
 from edgeadapt.bundle import read_manifest
 from edgeadapt.cli import main
 from edgeadapt.export import Rule, UpdatePolicy, export_bundle
-from edgeadapt.plan_cli import draw_timeline, plan_report
+from edgeadapt.cli.plan import draw_timeline, plan_report
 
 EXAMPLE = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(0))
 PHASES = ("session", "features", "rollback", "forward", "backward", "optimizer")

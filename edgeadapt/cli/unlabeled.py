@@ -37,7 +37,7 @@ def check_unlabeled_arguments(args: argparse.Namespace) -> None:
 
 def run_unlabeled(args: argparse.Namespace, runner, X: np.ndarray) -> int:
     """Adapt ``runner`` on ``X`` label-free (see module docstring), save it to ``--out``, report."""
-    from .runtime.unlabeled import UnlabeledSettings
+    from ..runtime.unlabeled import UnlabeledSettings
 
     settings = UnlabeledSettings(seed=args.seed)
     if args.stream_batch is None:

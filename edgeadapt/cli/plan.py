@@ -20,16 +20,16 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .units import format_bytes
+from ..units import format_bytes
 
 __all__ = ["plan_report", "format_report", "measure_adapt", "draw_timeline", "cmd_plan", "add_plan_parser"]
 
 
 # ---- the report ---------------------------------------------------------------------------
 def _load(bundle_dir: str | os.PathLike):
-    from .bundle import BundleError, read_manifest
-    from .sched.ir import Graph
-    from .sched.plan import Plan
+    from ..bundle import BundleError, read_manifest
+    from ..sched.ir import Graph
+    from ..sched.plan import Plan
 
     manifest = read_manifest(bundle_dir, verify=True)
     if manifest.plan is None or manifest.graph is None:
@@ -75,13 +75,13 @@ def plan_report(bundle_dir: str | os.PathLike, *, n_windows: int | None = None,
     recomputed = list(plan.recomputed)
     stored = plan.predicted
     try:
-        from .sched import predict
+        from ..sched import predict
 
         repredicted = predict(graph, plan).to_dict()
     except ImportError:  # a planner without predict(): report what the exporter stored
         repredicted = None
     try:
-        from .sched.verify import timeline
+        from ..sched.verify import timeline
 
         events = [[e.phase, e.where, e.total_bytes] for e in timeline(graph, plan)]
     except ImportError:
@@ -173,7 +173,7 @@ def measure_adapt(bundle_dir: str | os.PathLike, *, n_windows: int | None = None
     Raises:
         RuntimeError: the job failed; the message carries its stderr.
     """
-    from .measure import MeasureSpec, measure_in_fresh_process
+    from ..measure import MeasureSpec, measure_in_fresh_process
 
     _, plan, _ = _load(bundle_dir)
     spec = MeasureSpec(bundle=os.fspath(bundle_dir), n_windows=n_windows or plan.n_windows,
@@ -197,7 +197,7 @@ def draw_timeline(report: dict[str, Any], measured: dict[str, Any] | None, path:
     except ImportError:
         raise ImportError("--png needs matplotlib, which this install lacks: pip install matplotlib "
                           "(or drop --png)") from None
-    from .atomic import atomic_path
+    from ..atomic import atomic_path
 
     peak = report["predicted_now"] or report["predicted"]
     kib = 1024.0

@@ -1,0 +1,77 @@
+"""``edgeadapt export``: a torch model (module:factory) to an on-device training bundle."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..units import format_bytes
+from .common import load_factory
+
+__all__ = ["cmd_export", "add_parser"]
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..export import OptimizerConfig, UpdatePolicy, export_bundle
+
+    factory = load_factory(args.model)
+    kwargs = json.loads(args.factory_kwargs) if args.factory_kwargs else {}
+    model = factory(**kwargs)
+    if args.weights:
+        state = torch.load(args.weights, map_location="cpu", weights_only=True)
+        model.load_state_dict(state)
+    shape = [int(s) for s in args.input_shape.split(",")]
+    example = torch.randn(args.batch_size, *shape)
+    opt = OptimizerConfig(args.optimizer, lr=args.lr, weight_decay=args.weight_decay if args.optimizer == "adamw" else 0.0)
+    policy = UpdatePolicy.parse(args.policy) if args.policy else None
+    manifest = export_bundle(model, example, args.out, policy=policy, loss=args.loss, optimizer=opt,
+                             batchnorm=args.batchnorm, memory_budget=args.memory_budget, n_windows=args.n_windows,
+                             batch_windows=args.batch_windows, recompute=args.recompute,
+                             progress=not args.no_progress, backend=args.backend)
+    print(f"exported {args.out}: {manifest.trainable_numel:,} of {manifest.total_numel:,} parameter elements train")
+    predicted = (manifest.plan or {}).get("predicted_peak_bytes")
+    if predicted is not None:
+        budget = f" (budget {format_bytes(manifest.plan['budget_bytes'])})" if manifest.plan.get("budget_bytes") else ""
+        print(f"predicted peak of an adapt call over {manifest.plan['n_windows']} windows: "
+              f"{format_bytes(predicted)}{budget}; details: edgeadapt plan {args.out}")
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """The ``export`` subcommand's parser."""
+    from ..bundle import BATCHNORM_MODES, LOSSES, OPTIMIZERS  # torch- and onnxruntime-free
+
+    p = sub.add_parser("export", help="export a torch model to an on-device training bundle",
+                       description="Export a torch model, given as module:factory, to a training bundle.")
+    p.add_argument("model", help="module:factory returning a torch.nn.Module, e.g. mypkg.nets:make_cnn")
+    p.add_argument("--input-shape", required=True, help="per-window input shape without batch, e.g. 8,256")
+    p.add_argument("--out", required=True, help="bundle directory to create (must not exist)")
+    p.add_argument("--weights", help="state_dict file saved with torch.save (loaded with weights_only=True)")
+    p.add_argument("--factory-kwargs", help="JSON object of keyword arguments for the factory")
+    p.add_argument("--policy", default=None,
+                   help="full | last-layer | bias-norm | 'pattern=mode,...' with mode frozen|bias|full|"
+                        "channels:RATIO|channels:I+J (default: last-layer; with --memory-budget: chosen by the planner)")
+    p.add_argument("--memory-budget", default=None, metavar="BYTES",
+                   help="bound on the peak memory of a whole adapt call, e.g. 512KiB, 2MiB: with --policy the "
+                        "policy is checked against it, without one the planner picks what trains")
+    p.add_argument("--n-windows", type=int, default=128, help="adaptation windows the plan is made for (default 128)")
+    p.add_argument("--batch-windows", type=int, default=32, help="windows per optimizer step the plan is made for")
+    p.add_argument("--recompute", action="store_true",
+                   help="with --memory-budget, let the planner recompute activations in the backward (off by "
+                        "default: ONNX Runtime's buffer reuse often keeps the memory it would save)")
+    p.add_argument("--loss", default="cross_entropy", choices=LOSSES)
+    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
+    p.add_argument("--lr", type=float, default=1e-3, help="default learning rate stored in the bundle")
+    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW decoupled weight decay")
+    p.add_argument("--batchnorm", default="frozen", choices=BATCHNORM_MODES,
+                   help="frozen running statistics (default) or batch statistics during adaptation")
+    p.add_argument("--batch-size", type=int, default=2, help="batch size of the example input used for tracing")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar over the export's stages")
+    p.add_argument("--backend", choices=("auto", "portable", "ort-training", "both"), default="auto",
+                   help="training engines the bundle holds: portable (step graphs for stock onnxruntime), "
+                        "ort-training (onnxruntime-training artifacts) or both; auto (default): both where "
+                        "onnxruntime-training is installed, else portable")
+    p.set_defaults(func=cmd_export, extra="server")
+    return p
