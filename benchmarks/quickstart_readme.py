@@ -49,13 +49,13 @@ def run_fresh(options: list[str], out_dir: Path) -> dict:
 
 def exact_figures(block: str) -> dict:
     """What a rerun on this CPU type must reproduce: per table row, the method, accuracy before ->
-    after and trained elements (not the memory columns), the held-out subject and the source
-    model's accuracy (not the time)."""
+    after, trained elements and the training engine (not the memory columns), the held-out subject
+    and the source model's accuracy (not the time)."""
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in block.splitlines()
             if line.startswith("| ") and not line.startswith("| method ")]
     source = re.search(r"source model scores ([0-9.]+) on held-out windows of the (\d+) training subjects", block)
     held_out = re.search(r"subject (\d+) held out", block)
-    return {"rows": [row[:3] for row in rows], "source": source and source.groups(),
+    return {"rows": [row[:4] for row in rows], "source": source and source.groups(),
             "held_out": held_out and held_out.group(1)}
 
 

@@ -92,6 +92,7 @@ def run_job(spec: AdaptJobSpec) -> dict[str, Any]:
     runner.save(spec.out_dir)
     return {
         "device": runner.device,
+        "backend": runner.backend,  # the training engine Runner.load chose (auto)
         "threads": spec.threads,
         "torch_imported": any(m == "torch" or m.startswith("torch.") for m in sys.modules),
         "accuracy_after": after.accuracy if labeled else after_acc,

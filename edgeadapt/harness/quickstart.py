@@ -301,17 +301,18 @@ def readme_table(report: dict) -> str:
              f"{host['cpu']['model']}, {report['settings']['adapt_threads']} thread(s); subject "
              f"{report['target_subject']} held out; memory is over the loaded runner, total VmHWM delta with "
              f"anonymous-only in brackets):", "",
-             "| method | accuracy on the new subject (before → after) | trained elements | one step MB "
+             "| method | accuracy on the new subject (before → after) | trained elements | engine | one step MB "
              "| whole adapt call MB |",
-             "|---|---|---:|---:|---:|"]
+             "|---|---|---:|---|---:|---:|"]
     for i, r in enumerate([report["main"], *report["compared"]]):
         if not r["feasible"]:
             lines.append(f"| {_label(r)} | infeasible: the smallest plan needs "
-                         f"{format_bytes(r['minimum_budget_bytes'])} | - | - | - |")
+                         f"{format_bytes(r['minimum_budget_bytes'])} | - | - | - | - |")
             continue
         after = f"{r['accuracy_after']:.3f}"
         lines.append(f"| {_label(r)} | {r['accuracy_before']:.3f} → {f'**{after}**' if i == 0 else after} "
-                     f"| {r['trainable_numel']:,} | {_mb(r['step_peak_bytes'])} ({_mb(r['step_peak_anon_bytes'])}) "
+                     f"| {r['trainable_numel']:,} | {r['backend']} "
+                     f"| {_mb(r['step_peak_bytes'])} ({_mb(r['step_peak_anon_bytes'])}) "
                      f"| {_mb(r['call_peak_bytes'])} ({_mb(r['call_peak_anon_bytes'])}) |")
     lines += ["", f"(The source model scores {sum(source.values()) / len(source):.3f} on held-out windows of the "
                   f"{len(source)} training subjects.)"]

@@ -28,7 +28,7 @@ def _script():
 def _row(method: str, after: float, numel: int) -> dict:
     mib = 2**20
     return {"method": method, "policy": method, "feasible": True, "accuracy_before": 0.5, "accuracy_after": after,
-            "trainable_numel": numel, "trained_modules": ["head"], "step_peak_bytes": mib, "call_peak_bytes": 2 * mib,
+            "trainable_numel": numel, "trained_modules": ["head"], "backend": "portable", "step_peak_bytes": mib, "call_peak_bytes": 2 * mib,
             "step_peak_anon_bytes": mib // 2, "call_peak_anon_bytes": mib}
 
 
@@ -47,12 +47,14 @@ def test_readme_names_its_options_and_the_compared_figures_are_parsed_from_a_tab
     assert "`edgeadapt quickstart --memory-budget 600KiB`" in block
     figures = script.exact_figures(block)
     assert figures["rows"][0] == ["sparse (head + 25% of the last block's output channels + its norm)",
-                                  "0.500 → **0.800**", "15,366"]
+                                  "0.500 → **0.800**", "15,366", "portable"]
     assert figures["rows"][2][0] == "`--memory-budget 600KiB` (the planner's choice: head)"
     assert figures["rows"][3][1] == "infeasible: the smallest plan needs 471.43 KiB"
     assert figures["source"] == ("0.850", "2") and figures["held_out"] == "7"
     # one accuracy digit differs: the figures differ; only memory differs: they do not
     other = {**REPORT, "main": {**REPORT["main"], "accuracy_after": 0.801}}
+    assert script.exact_figures(readme_table(other)) != figures
+    other = {**REPORT, "main": {**REPORT["main"], "backend": "ort-training"}}  # another engine: other figures
     assert script.exact_figures(readme_table(other)) != figures
     other = {**REPORT, "main": {**REPORT["main"], "step_peak_bytes": 3 * 2**20}, "total_time_s": 99.0}
     assert script.exact_figures(readme_table(other)) == figures
