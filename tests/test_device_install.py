@@ -150,7 +150,7 @@ def test_device_extra_on_emulated_aarch64_python313_matches_x86_64(wheel, case, 
     if check.returncode == 3:
         pytest.skip(f"aarch64 emulation is not possible here: {check.stdout.strip()}")
     assert check.returncode == 0, check.stdout + check.stderr
-    env = _env()
+    env = {**_env(), "PIP_PYTHON": sys.executable}  # the host's pip that resolves the aarch64 wheels
     root = Path(env.setdefault("ARM64_ROOT", str(REPO / ".cache" / "arm64-py313")))
     _run(["bash", ARM64, "setup"], timeout_s=900, env=env)
     # Dependencies once per requirement set (a reinstall would drop the emulated interpreter's
