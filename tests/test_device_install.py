@@ -84,8 +84,8 @@ def case(tmp_path_factory) -> dict[str, Path]:
 
 def _roundtrip(python_argv: list, case: dict[str, Path], out: Path, *, timeout_s: int, env=None, cwd=None) -> dict:
     out.mkdir()
-    proc = _run([*python_argv, ROUNDTRIP, case["bundle"], case["data"], out, EPOCHS, BATCH], timeout_s=timeout_s, env=env,
-                cwd=cwd or out)
+    proc = _run([*python_argv, ROUNDTRIP, case["bundle"], case["data"], out, EPOCHS, BATCH],
+                timeout_s=timeout_s, env=env, cwd=cwd or out)
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert not report["torch_imported"] and not report["ort_training_imported"], report
     assert report["steps"] == EPOCHS * -(-N_WINDOWS // BATCH)
@@ -108,7 +108,7 @@ def _assert_same_parameters(got: dict, want: dict, rtol: float) -> float:
     worst = 0.0
     for k, w in want.items():
         err = float(np.abs(got[k].astype(np.float64) - w).max())
-        assert err <= rtol * float(np.abs(w).max()), f"{k}: max difference {err:.3g} vs max |value| {np.abs(w).max():.3g}"
+        assert err <= rtol * float(np.abs(w).max()), f"{k}: max difference {err:.3g}, max |value| {np.abs(w).max():.3g}"
         worst = max(worst, err / float(np.abs(w).max()))
     return worst
 
