@@ -316,7 +316,8 @@ def memory_sweep(args, work: Path) -> dict[str, Any]:
         t0 = time.perf_counter()
         sched.plan_for_budget(graph, mid, n_windows=args.n_windows, batch_windows=args.batch)
         ladder["plan_for_budget_s"], ladder["plan_for_budget_at_bytes"] = time.perf_counter() - t0, mid
-        print(f"{name}: {ladder['n_ops']} ops; smallest feasible budget {format_bytes(ladder['minimum_budget_bytes'])}, "
+        print(f"{name}: {ladder['n_ops']} ops; smallest feasible budget "
+              f"{format_bytes(ladder['minimum_budget_bytes'])}, "
               f"full fine-tuning predicted {format_bytes(ladder['full_predicted_bytes'])}; budgets "
               + ", ".join(format_bytes(b) for b in ladder["budgets"]), flush=True)
         mdir = work / name
@@ -385,7 +386,8 @@ def _median_report(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def _memory_line(r: dict[str, Any]) -> str:
     if "error" in r:
         return f"budget {format_bytes(r['budget_bytes'])}: {r['error'][:200]}"
-    return (f"budget {format_bytes(r['budget_bytes']):>10}: {r['trainable_numel']:>7,} el., micro {r['micro_batch_windows']}, "
+    return (f"budget {format_bytes(r['budget_bytes']):>10}: {r['trainable_numel']:>7,} el., "
+            f"micro {r['micro_batch_windows']}, "
             f"cut {r['cut']}{' cached' if r['cache_features'] else ''}, recompute {r['recomputed']}; predicted "
             f"{format_bytes(r['predicted_peak_bytes'])}, measured call {format_bytes(r['call_peak_bytes'])} / anon "
             f"{format_bytes(r['call_peak_anon_bytes'])}, step {format_bytes(r['step_peak_bytes'])}; torch/runner "
@@ -411,7 +413,8 @@ def memory_markdown(res: dict[str, Any]) -> str:
         "",
         "Each budget: `export_bundle(memory_budget=B)` (the planner picks what trains), then one `Runner.adapt` call "
         "in a fresh torch-free process (median over "
-        f"{cfg['repeats']} process(es)). *Predicted*: the plan's whole-call peak; *call* / *step*: measured peak of the "
+        f"{cfg['repeats']} process(es)). *Predicted*: the plan's whole-call peak; "
+        "*call* / *step*: measured peak of the "
         "whole adapt call / of one optimizer step over the loaded runner (AdaptResult), total = VmHWM delta, anon = "
         "sampled RssAnon. *pred/meas*: predicted / measured call peak (total; anon in brackets). *torch/runner*: "
         "torch eager full fine-tuning at the same batch (whole loop, fresh process, warmed up) over the runner's "
@@ -423,10 +426,12 @@ def memory_markdown(res: dict[str, Any]) -> str:
         lines += [
             f"**{name}** ({lad['n_ops']} ops): smallest feasible budget {format_bytes(lad['minimum_budget_bytes'])}; "
             f"torch eager full FT: first step {format_bytes(eager['step_peak_bytes'])} (anon "
-            f"{format_bytes(eager['step_peak_anon_bytes'])}), whole loop {format_bytes(eager['call_peak_bytes'])} (anon "
+            f"{format_bytes(eager['step_peak_anon_bytes'])}), "
+            f"whole loop {format_bytes(eager['call_peak_bytes'])} (anon "
             f"{format_bytes(eager['call_peak_anon_bytes'])}).",
             "",
-            "| budget | trains (elements) | micro-batch | cut (cached) | recompute | predicted | call total | call anon "
+            "| budget | trains (elements) | micro-batch | cut (cached) | recompute | predicted "
+            "| call total | call anon "
             "| step total | step anon | pred/meas | anon/budget | torch/runner total | torch/runner anon |",
             "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
         ]
@@ -454,12 +459,16 @@ def memory_markdown(res: dict[str, Any]) -> str:
     lim = c["limits"][0]
     lines.append(f"- remat DP on a {c['n_ops']}-op chain: least peak {c['min_peak_s'] * 1e3:.0f} ms "
                  f"(CPU {c['min_peak_cpu_s'] * 1e3:.0f} ms; {format_bytes(c['min_peak_bytes'])} per window vs keep-all "
-                 f"{format_bytes(c['keep_all_peak_bytes'])}, sqrt(n) {format_bytes(c['sqrt_peak_bytes'])}); least FLOPs under "
-                 f"{format_bytes(lim['limit_bytes'])}: {lim['min_flops_s'] * 1e3:.0f} ms (CPU {lim['min_flops_cpu_s'] * 1e3:.0f} ms)")
+                 f"{format_bytes(c['keep_all_peak_bytes'])}, sqrt(n) {format_bytes(c['sqrt_peak_bytes'])}); "
+                 "least FLOPs under "
+                 f"{format_bytes(lim['limit_bytes'])}: {lim['min_flops_s'] * 1e3:.0f} ms "
+                 f"(CPU {lim['min_flops_cpu_s'] * 1e3:.0f} ms)")
     for name, m in res["models"].items():
         lad = m["ladder"]
-        lines.append(f"- {name}: graph IR from ONNX {lad['graph_s']:.2f} s, minimum_budget {lad['minimum_budget_s']:.2f} s, "
-                     f"plan_for_budget({format_bytes(lad['plan_for_budget_at_bytes'])}) {lad['plan_for_budget_s']:.2f} s")
+        lines.append(f"- {name}: graph IR from ONNX {lad['graph_s']:.2f} s, "
+                     f"minimum_budget {lad['minimum_budget_s']:.2f} s, "
+                     f"plan_for_budget({format_bytes(lad['plan_for_budget_at_bytes'])}) "
+                     f"{lad['plan_for_budget_s']:.2f} s")
     lines.append("")
     lines.append(f"Host: {res['host'].get('cpu', {}).get('model', '?')}, load average at start "
                  f"{res['loadavg_start'][0]:.1f}; versions {res['host'].get('versions', {})}.")
@@ -661,10 +670,12 @@ def loso_markdown(res: dict[str, Any]) -> str:
         f"Command: `{res['command']}`",
         "",
         "Budget rows: `export_bundle(memory_budget=B)` on each fold's pretrained CNN, the planner choosing what trains "
-        f"by importance measured on {IMPORTANCE_WINDOWS} labelled source-subject windows of the fold (empirical Fisher); "
+        f"by importance measured on {IMPORTANCE_WINDOWS} labelled source-subject windows of the fold "
+        "(empirical Fisher); "
         "preset rows: hand-written policies (no budget). Each adaptation ran in a fresh torch-free process; memory = "
         "median over subjects of the measured whole adapt call over the loaded runner (total VmHWM delta / anon "
-        f"RssAnon). Torch eager full fine-tuning, same batch and epochs, whole loop: {format_bytes(e['call_peak_bytes'])} "
+        "RssAnon). Torch eager full fine-tuning, same batch and epochs, whole loop: "
+        f"{format_bytes(e['call_peak_bytes'])} "
         f"total, {format_bytes(e['call_peak_anon_bytes'])} anon.",
         "",
         "| method | subjects | mean acc | worst acc (subj) | vs full (points) | trains (el.) | predicted | call total "

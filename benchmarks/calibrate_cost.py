@@ -242,7 +242,8 @@ def main(argv=None) -> int:
             runs = [_measure(bundle, args, micro) for _ in range(args.repeats)]
             total = int(np.median([r["call_peak_bytes"] for r in runs]))
             anon = int(np.median([r["call_peak_anon_bytes"] for r in runs]))
-            rows.append({"model": model_name, "policy": policy, "micro_batch_windows": micro, "cache_features": plan.cache_features,
+            rows.append({"model": model_name, "policy": policy, "micro_batch_windows": micro,
+                         "cache_features": plan.cache_features,
                          "graph": graph, "plan": plan, "call_peak_bytes": total, "call_peak_anon_bytes": anon})
             log.info("%-5s %-10s micro %2d cache %d: measured total %9d anon %9d", model_name, policy, micro,
                      plan.cache_features, total, anon)
@@ -292,9 +293,13 @@ def main(argv=None) -> int:
                      calibration={
                          "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                          "command": " ".join(["benchmarks/calibrate_cost.py", *(argv or sys.argv[1:])]),
-                         "figure": args.fit, "conservative": args.conservative, "tolerance": args.tolerance, "model": f"{args.model} {args.channels}x{args.time_steps}" + (" + tiny (TINY_PLANS)" if args.tiny else ""),
+                         "figure": args.fit, "conservative": args.conservative, "tolerance": args.tolerance,
+                         "model": f"{args.model} {args.channels}x{args.time_steps}"
+                                  + (" + tiny (TINY_PLANS)" if args.tiny else ""),
                          "batch_windows": args.batch, "n_windows": args.n_windows, "threads": args.threads,
-                         "versions": package_versions(("edgeadapt", "numpy", "scipy", "torch", "onnx", "onnxruntime-training-cpu", "onnxruntime-training")), "fits": fits,
+                         "versions": package_versions(("edgeadapt", "numpy", "scipy", "torch", "onnx",
+                                                       "onnxruntime-training-cpu", "onnxruntime-training")),
+                         "fits": fits,
                          "plans": [{k: v for k, v in r.items() if k not in ("graph", "plan")} for r in rows],
                      })
     atomic_write_json(args.out, cost.to_dict())

@@ -31,6 +31,7 @@ repository root; the script puts the repository on ``sys.path``)::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -86,6 +87,20 @@ def _max_allocated(args) -> int:
     return int(torch.cuda.max_memory_allocated()) if _cuda(args) else 0
 
 
+def _trainer_step(trainer, x, y) -> float:
+    return float(trainer.step(x, y))
+
+
+def _in_memory_step(model, opt, device: str, x, y) -> float:
+    from edgeadapt.models import token_cross_entropy
+
+    opt.zero_grad(set_to_none=True)
+    loss = token_cross_entropy(model(x.to(device, non_blocking=True)), y.to(device, non_blocking=True))
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
 def run_offloaded(args, tier: str, batches) -> dict:
     import torch
 
@@ -99,7 +114,7 @@ def run_offloaded(args, tier: str, batches) -> dict:
                           memory_budget=args.budget, offload=tier, offload_dir=Path(tmp) / "state",
                           device=args.device, recompute="auto", example_input=batches[0][0])
         setup_s = time.perf_counter() - t0
-        time_s, losses = _timed(args, lambda x, y: float(trainer.step(x, y)), batches, args.warmup)
+        time_s, losses = _timed(args, functools.partial(_trainer_step, trainer), batches, args.warmup)
         out = {"tier": tier, "setup_s": setup_s, "time_s": time_s, "losses": losses,
                "tokens_per_s": args.steps * args.batch_size * args.context_len / time_s,
                "tracked_peak_bytes": int(trainer.tracked_peak_bytes),
@@ -116,22 +131,14 @@ def run_offloaded(args, tier: str, batches) -> dict:
 def run_in_memory(args, batches) -> dict:
     import torch
 
-    from edgeadapt.models import token_cross_entropy
-
     model = _model(args).to(args.device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=_cuda(args))
-
-    def step(x, y):
-        opt.zero_grad(set_to_none=True)
-        loss = token_cross_entropy(model(x.to(args.device, non_blocking=True)), y.to(args.device, non_blocking=True))
-        loss.backward()
-        opt.step()
-        return float(loss.detach())
+    step = functools.partial(_in_memory_step, model, opt, args.device)
     time_s, losses = _timed(args, step, batches, args.warmup)
     out = {"tier": "in-memory", "time_s": time_s, "losses": losses,
            "tokens_per_s": args.steps * args.batch_size * args.context_len / time_s,
            "max_memory_allocated_bytes": _max_allocated(args)}
-    del model, opt
+    del model, opt, step
     if _cuda(args):
         torch.cuda.empty_cache()
     return out
@@ -174,7 +181,8 @@ def main() -> int:
               f"({budget / GIB:.2f} GiB); raise --n-layers/--d-model or lower --budget", file=sys.stderr)
         return 2
     gpu = torch.cuda.get_device_name(0) if _cuda(args) else "cpu (dry run)"
-    print(f"{gpu}; torch {torch.__version__}; GPT {cfg.n_layers} blocks x d_model {cfg.d_model}, vocab {cfg.vocab_size}: "
+    print(f"{gpu}; torch {torch.__version__}; GPT {cfg.n_layers} blocks x d_model {cfg.d_model}, "
+          f"vocab {cfg.vocab_size}: "
           f"{cfg.n_params:,} parameters, state {state / GIB:.2f} GiB = {state / budget:.1f}x the budget "
           f"{budget / GIB:.2f} GiB; batch {args.batch_size} x {args.context_len} tokens, "
           f"{args.warmup} warm-up + {args.steps} timed steps")

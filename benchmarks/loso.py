@@ -64,7 +64,8 @@ if str(REPO) not in sys.path:
 from edgeadapt.atomic import atomic_write_bytes, atomic_write_json  # noqa: E402
 from edgeadapt.datasets import SyntheticConfig, WindowDataset, load_dataset, make_synthetic  # noqa: E402
 from edgeadapt.harness.study import (  # noqa: E402
-    ALL_METHODS, FIXED_LR, LABEL_FREE, LR_GRID, METHODS, budget_method, make_split, per_subject_accuracy, pretrain_source,
+    ALL_METHODS, FIXED_LR, LABEL_FREE, LR_GRID, METHODS, budget_method, make_split, per_subject_accuracy,
+    pretrain_source,
     run_method, save_target_data, select_learning_rates,
 )
 from edgeadapt.datasets.shifts import SHIFTS, shift_subject  # noqa: E402
@@ -289,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
 
-    command = " ".join([".venv/bin/python", "benchmarks/loso.py", *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
+    command = " ".join([".venv/bin/python", "benchmarks/loso.py",
+                        *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
     start = time.perf_counter()
     ds = _load(args.dataset, args.seed)
     subjects = [int(s) for s in ds.subjects]
@@ -349,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
                     k_per_class=args.k_per_class, pretrain_epochs=args.pretrain_epochs, seed=args.seed,
                     threads=args.threads)
                 print(f"  [{i + 1}/{len(subjects)}] subject {target}: {m} settings chosen on source subjects "
-                      f"{label_free[m].validation_subjects} in {time.perf_counter() - t0:.0f} s: {label_free[m].settings}",
+                      f"{label_free[m].validation_subjects} in {time.perf_counter() - t0:.0f} s: "
+                      f"{label_free[m].settings}",
                       flush=True)
             split = make_split(fold_ds, target, args.k_per_class, args.seed)
             t0 = time.perf_counter()
@@ -425,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
         result["total_time_s"] = time.perf_counter() - start
         atomic_write_json(args.out / f"{stem}.json", result)
         s = result["summary"]
-        print(f"[{i + 1}/{len(subjects)}] subject {target} done in {fold['time_s']:.0f} s (pretrain {pretrain_s:.0f} s, "
+        print(f"[{i + 1}/{len(subjects)}] subject {target} done in {fold['time_s']:.0f} s "
+              f"(pretrain {pretrain_s:.0f} s, "
               f"source val {fold['source_val_accuracy_mean']:.3f}); running mean: "
               + ", ".join(f"{m} {v['mean_accuracy']:.3f}" for m, v in s.items()), flush=True)
 

@@ -37,7 +37,8 @@ def main(argv=None) -> int:
           f"{r['min_peak_s']:.3f} s wall, {r['min_peak_cpu_s']:.3f} s CPU")
     for row in r["limits"]:
         print(f"limit {row['limit_bytes']}: DP recompute FLOPs {row['min_flops_recompute_flops']}, "
-              f"peak {row['min_flops_peak_bytes']}, {row['min_flops_s']:.3f} s wall, {row['min_flops_cpu_s']:.3f} s CPU")
+              f"peak {row['min_flops_peak_bytes']}, {row['min_flops_s']:.3f} s wall, "
+              f"{row['min_flops_cpu_s']:.3f} s CPU")
     return 0
 
 

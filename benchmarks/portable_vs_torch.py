@@ -176,7 +176,8 @@ def run_step_worker(spec: dict, timeout_s: float = 900) -> dict:
                           capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout_s)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"worker {spec['engine']} {spec['bundle']} failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"worker {spec['engine']} {spec['bundle']} failed (rc={proc.returncode}):\n"
+                           f"{proc.stderr[-3000:]}")
     return json.loads(lines[-1][len("RESULT "):])
 
 
@@ -264,7 +265,8 @@ def report(res: dict) -> str:
         pred = c["predicted_peak_bytes"]
         ratio = "-" if not pred else f"{mp['call_peak_anon_bytes'] / pred:.2f}"
         lines.append(f"| {c['model']} | {c['policy']} | {c['trainable_numel']} | {p:.1f} / {t:.1f} / {o:.1f}{flag} | "
-                     f"{t / p:.2f}x | {o / p:.2f}x | {kib(mp['call_peak_anon_bytes'])} / {kib(mo['call_peak_anon_bytes'])} | "
+                     f"{t / p:.2f}x | {o / p:.2f}x | "
+                     f"{kib(mp['call_peak_anon_bytes'])} / {kib(mo['call_peak_anon_bytes'])} | "
                      f"{kib(mp['call_peak_bytes'])} / {kib(mo['call_peak_bytes'])} | {kib(pred)} | {ratio} |")
     lines.append("")
     lines.append("Per round (step ms, share of the CPUs other processes took):")
@@ -319,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
                         m = measure_memory(c, b, args)
                         c["memory_rounds"][b].append(m)
                         log.info("round %d %-22s %-12s call anon %s KiB, total %s KiB (predicted %s)", rnd + 1, key, b,
-                                 kib(m["call_peak_anon_bytes"]), kib(m["call_peak_bytes"]), kib(m["predicted_peak_bytes"]))
+                                 kib(m["call_peak_anon_bytes"]), kib(m["call_peak_bytes"]),
+                                 kib(m["predicted_peak_bytes"]))
         for c in cases.values():
             if args.no_memory:
                 c["memory_rounds"] = {b: [{"call_peak_bytes": 0, "call_peak_anon_bytes": 0}] for b in BACKENDS}
@@ -333,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
                    "policies": args.policies, "memory": not args.no_memory},
         "host": {"platform": platform.platform(), "cpu_count": os.cpu_count(), **host_info(),
                  "loadavg_at_start": load_start, "loadavg_at_end": list(os.getloadavg())},
-        "command": " ".join([".venv/bin/python", os.path.relpath(__file__, REPO), *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join([".venv/bin/python", os.path.relpath(__file__, REPO),
+                             *(argv if argv is not None else sys.argv[1:])]),
         "cases": cases,
     }
     print(report(res))

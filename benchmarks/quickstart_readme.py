@@ -28,7 +28,8 @@ from edgeadapt.harness.quickstart import quickstart_command, readme_table
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
-BLOCK = re.compile(r"(<!-- quickstart table: made by benchmarks/quickstart_readme.py with options: (?P<options>.*?) -->\n)"
+BLOCK = re.compile(r"(<!-- quickstart table: made by benchmarks/quickstart_readme.py with options: "
+                   r"(?P<options>.*?) -->\n)"
                    r"(?P<block>.*?)\n(<!-- end quickstart table -->)", re.DOTALL)
 
 
@@ -67,7 +68,8 @@ def replace_block(text: str, block: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="compare with README.md instead of rewriting it")
-    parser.add_argument("--report", type=Path, help="a finished run's report.json (default: run README's command fresh)")
+    parser.add_argument("--report", type=Path,
+                        help="a finished run's report.json (default: run README's command fresh)")
     args = parser.parse_args(argv)
     text = README.read_text()
     options, block = readme_block(text)

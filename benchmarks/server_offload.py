@@ -290,10 +290,12 @@ def main() -> int:
                    "peak_rss_delta_bytes": [x["peak_rss_delta_bytes"] for x in runs],
                    "peak_anon_delta_bytes": [x["peak_anon_delta_bytes"] for x in runs], "plan": plan}
             rows.append(row)
-            print(f"| {r:g}x | {mode} | {_spread(ratio)} | {_spread(cpu_ratio)} | {plan['recomputed']}/{plan['blocks']} blocks, "
+            print(f"| {r:g}x | {mode} | {_spread(ratio)} | {_spread(cpu_ratio)} | "
+                  f"{plan['recomputed']}/{plan['blocks']} blocks, "
                   f"{plan['micro_batch_windows']} of {args.batch_size} windows, {plan['update_chunk_numel']:,} | "
                   f"{max(row['tracked_peak_bytes']) / MIB:.2f} / {budgets[r] / MIB:.2f} MiB | "
-                  f"+{max(row['peak_rss_delta_bytes']) / MIB:.1f} MiB (+{max(row['peak_anon_delta_bytes']) / MIB:.1f}) | "
+                  f"+{max(row['peak_rss_delta_bytes']) / MIB:.1f} MiB "
+                  f"(+{max(row['peak_anon_delta_bytes']) / MIB:.1f}) | "
                   f"{runs[0]['first_loss']:.3f} -> {runs[0]['last_loss']:.3f} |")
     total_s = time.perf_counter() - started
     print(f"benchmark time {total_s:.0f} s, load average at the end {_load():.1f}")

@@ -19,7 +19,8 @@ Models (input shape in brackets):
 
 Usage::
 
-    .venv/bin/python benchmarks/small_models_budget.py --repeats 3      # writes benchmarks/results/small_models_budget.{json,md}
+    # writes benchmarks/results/small_models_budget.{json,md}
+    .venv/bin/python benchmarks/small_models_budget.py --repeats 3
     .venv/bin/python benchmarks/small_models_budget.py --models gru --budgets 300KiB
 """
 
@@ -97,7 +98,8 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
         out.append(f"| {r['model']} | {r['budget']} | {', '.join(r['trains'])} ({r['trainable_numel']}) | "
                    f"{r['micro_batch_windows']} | {r['cut'] if r['cut'] is not None else '-'} | "
                    f"{r['predicted_bytes'] / kib:.0f} | {r['measured_anon_bytes'] / kib:.0f} | "
-                   f"{r['measured_total_bytes'] / kib:.0f} | {r['predicted_bytes'] / max(1, r['measured_anon_bytes']):.2f} | "
+                   f"{r['measured_total_bytes'] / kib:.0f} | "
+                   f"{r['predicted_bytes'] / max(1, r['measured_anon_bytes']):.2f} | "
                    + (f"**{ratio:.2f}**" if ratio > 1 else f"{ratio:.2f}") + " |")
     ok = [r for r in rows if "error" not in r]
     kept = sum(r["measured_anon_bytes"] <= r["budget_bytes"] for r in ok)

@@ -157,7 +157,7 @@ def load_npz_file(
     class_names = _metadata(stored, "class_names", class_names)
     channel_names = _metadata(stored, "channel_names", channel_names)
     try:  # the rule for sample values (float32; other reals and integers converted, noted once)
-        data = arrays[data_key] = float32_samples(arrays[data_key], f"{path}: {data_key!r}")
+        arrays[data_key] = float32_samples(arrays[data_key], f"{path}: {data_key!r}")
     except TypeError as e:
         raise ValueError(str(e)) from None
     if data_key == "signal":

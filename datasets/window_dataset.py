@@ -274,7 +274,8 @@ def read_npz(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     if Path(path).is_file() and not zipfile.is_zipfile(path):
         with open(path, "rb") as f:
             if f.read(6) == b"\x93NUMPY":
-                raise ValueError(f"{path}: holds one array, not named arrays; save with np.savez(path, X=..., y=..., ...)")
+                raise ValueError(f"{path}: holds one array, not named arrays; "
+                                 "save with np.savez(path, X=..., y=..., ...)")
         raise ValueError(
             f"{path}: not a readable .npz file (not a zip of .npy arrays, as np.savez writes); "
             "save the arrays with np.savez(path, X=..., y=..., subject=...)"

@@ -396,7 +396,8 @@ class Manifest:
         """Each listed backend's files are present, no other backend's are, and a portable
         bundle records its graphs' interfaces."""
         if not self.backends or len(set(self.backends)) != len(self.backends) or set(self.backends) - set(BACKENDS):
-            raise BundleError(f"manifest.json: backends {list(self.backends)} must be distinct values of {list(BACKENDS)}")
+            raise BundleError(f"manifest.json: backends {list(self.backends)} must be distinct values of "
+                              f"{list(BACKENDS)}")
         if self.legacy_backend_key and tuple(self.backends) != ("ort-training",):
             raise BundleError("manifest.json: a bundle with the old 'backend' key holds only the ort-training backend")
         want = {role for b in self.backends for role in BACKEND_FILE_ROLES[b]}
@@ -591,7 +592,8 @@ def _manifest_text(path: Path) -> str:
                           "the bundle is damaged")
     raw = path.read_bytes()
     if len(raw) > MAX_MANIFEST_BYTES:  # grew after stat
-        raise BundleError(f"{path} is larger than any manifest needs ({MAX_MANIFEST_BYTES} bytes); the bundle is damaged")
+        raise BundleError(f"{path} is larger than any manifest needs ({MAX_MANIFEST_BYTES} bytes); "
+                          "the bundle is damaged")
     if (depth := _nesting_depth(raw)) > MAX_MANIFEST_DEPTH:
         raise BundleError(f"{path} nests {depth} levels deep, more than any manifest needs ({MAX_MANIFEST_DEPTH}); "
                           "the bundle is damaged - re-export it or restore a copy")

@@ -167,7 +167,8 @@ def measure_call(*, trim_heap: bool = False, interval_s: float = MEASURE_SAMPLE_
             yield m
     finally:
         m.peak_rss_bytes = memory.peak_rss_bytes()
-        m.baseline_anon_bytes, m.peak_anon_bytes, m.samples = sampler.baseline_bytes, sampler.peak_bytes, sampler.samples
+        m.baseline_anon_bytes, m.peak_anon_bytes = sampler.baseline_bytes, sampler.peak_bytes
+        m.samples = sampler.samples
         if sampler.series:
             t0 = sampler.series[0][0]
             m.timeline = [[round(t - t0, 6), rss - m.baseline_rss_bytes, anon - m.baseline_anon_bytes]
@@ -221,7 +222,8 @@ def run_measurement(spec: MeasureSpec) -> dict[str, Any]:
         "epoch_losses": list(result.epoch_losses), "adapt_time_s": result.time_s,
         "trainable_numel": m.trainable_numel, "total_numel": m.total_numel,
         "budget_bytes": plan.get("budget_bytes"), "predicted_peak_bytes": plan.get("predicted_peak_bytes"),
-        "load_rss_bytes": loaded["VmRSS"] - imported["VmRSS"], "load_anon_bytes": loaded["RssAnon"] - imported["RssAnon"],
+        "load_rss_bytes": loaded["VmRSS"] - imported["VmRSS"],
+        "load_anon_bytes": loaded["RssAnon"] - imported["RssAnon"],
         **call.figures(),
         # the runner's own figures (AdaptResult): its largest step, and its view of the call from inside
         "step_peak_bytes": result.step_peak_bytes, "step_peak_anon_bytes": result.step_peak_anon_bytes,

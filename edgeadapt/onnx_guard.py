@@ -31,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .bundle import CONTRACT_KEY, PORTABLE_GRAPH_ROLES, BundleError, Manifest, check_member_name, contract_digest, file_size_limits, member_path
+from .bundle import (CONTRACT_KEY, PORTABLE_GRAPH_ROLES, BundleError, Manifest, check_member_name, contract_digest,
+                     file_size_limits, member_path)
 from .npz import read_arrays
 from .op_allowlist import check_ops
 
@@ -105,7 +106,8 @@ def _check_wiring(path: Path, graph, outer: frozenset[str] = frozenset()) -> Non
     for node in graph.node:
         for out in node.output:
             if out and out in produced and out not in outer:
-                raise BundleError(f"{path}: node {node.name or node.op_type!r} writes {out!r}, which is already defined")
+                raise BundleError(f"{path}: node {node.name or node.op_type!r} writes {out!r}, "
+                                  "which is already defined")
             produced.add(out)
     for node in graph.node:
         for name in node.input:
@@ -227,9 +229,11 @@ def _check_io(path: Path, model, manifest: Manifest, data_input: str, data_dims)
     inputs = [v.name for v in model.graph.input]
     outputs = [v.name for v in model.graph.output]
     if data_input not in info or data_input not in inputs:
-        raise BundleError(f"{path}: the manifest names the input {data_input!r}, the graph's inputs are {inputs[:6]}...")
+        raise BundleError(f"{path}: the manifest names the input {data_input!r}, "
+                          f"the graph's inputs are {inputs[:6]}...")
     if data_dims is not None and not _same_dims(list(data_dims), info[data_input][1]):
-        raise BundleError(f"{path}: input {data_input!r} has shape {info[data_input][1]}, the manifest says {list(data_dims)}")
+        raise BundleError(f"{path}: input {data_input!r} has shape {info[data_input][1]}, "
+                          f"the manifest says {list(data_dims)}")
     out = manifest.output
     if out.name not in outputs:
         raise BundleError(f"{path}: the manifest names the output {out.name!r}, the graph's outputs are {outputs[:6]}")
@@ -258,7 +262,8 @@ def _check_parameters(path: Path, model, manifest: Manifest, prefix=None) -> Non
     inputs = {v.name for v in model.graph.input}
     # A bundle with a prefix model keeps the frozen parameters before the cut there, as initializers.
     in_prefix = {} if prefix is None else {t.name: list(t.dims) for t in prefix.graph.initializer}
-    trained_in_graph = {n[: -len("_grad.accumulation.buffer")] for n in inputs if n.endswith("_grad.accumulation.buffer")}
+    trained_in_graph = {n[: -len("_grad.accumulation.buffer")] for n in inputs
+                        if n.endswith("_grad.accumulation.buffer")}
     claimed = set()
     for p in manifest.parameters:
         names = p.onnx_names
@@ -285,7 +290,8 @@ def _check_parameters(path: Path, model, manifest: Manifest, prefix=None) -> Non
         else:
             dims = info[names["value"]][1]
             if dims != list(p.shape):
-                raise BundleError(f"{path}: parameter {p.name} has shape {dims} in the graph, the manifest says {list(p.shape)}")
+                raise BundleError(f"{path}: parameter {p.name} has shape {dims} in the graph, "
+                                  f"the manifest says {list(p.shape)}")
             grad_name = names["value"]
         if (grad_name in trained_in_graph) != (p.trainable_numel > 0):
             state = "trains" if grad_name in trained_in_graph else "does not train"
@@ -339,7 +345,8 @@ def check_masks(bundle_dir: str | Path, manifest: Manifest, training_model=None)
     entries = {p.name: p for p in manifest.parameters}
     if set(masks) != set(entries):
         missing, extra = sorted(set(entries) - set(masks)), sorted(set(masks) - set(entries))
-        raise BundleError(f"{path}: masks do not match the manifest's parameters (missing {missing[:5]}, extra {extra[:5]})")
+        raise BundleError(f"{path}: masks do not match the manifest's parameters "
+                          f"(missing {missing[:5]}, extra {extra[:5]})")
     info = _value_info(training_model) if training_model is not None else {}
     for pname, m in masks.items():
         p = entries[pname]
@@ -353,7 +360,8 @@ def check_masks(bundle_dir: str | Path, manifest: Manifest, training_model=None)
                                   f"{p.trainable_numel} elements ({per_channel} per channel)")
             trained = info.get(p.onnx_names.get("trained", ""))
             if trained is not None and trained[1] and trained[1][0] != int(m.sum()):
-                raise BundleError(f"{path}: mask of {pname} selects {int(m.sum())} channels, the graph trains {trained[1][0]}")
+                raise BundleError(f"{path}: mask of {pname} selects {int(m.sum())} channels, "
+                                  f"the graph trains {trained[1][0]}")
         elif bool(m.all()) != (p.trainable_numel > 0) or bool(m.any()) != bool(m.all()):
             raise BundleError(f"{path}: mask of {pname} ({int(m.sum())} of {n_out} channels) disagrees with its "
                               f"mode {p.mode!r} and {p.trainable_numel} trainable elements")
@@ -450,7 +458,8 @@ def check_checkpoint_values(get_tensor, names: tuple[str, ...], manifest: Manife
         try:
             value = get_tensor(name)
         except Exception as e:  # ORT raises its own types for a missing parameter
-            raise BundleError(f"{path}: holds no tensor {name!r} that the training graph needs ({str(e)[:120]})") from None
+            raise BundleError(f"{path}: holds no tensor {name!r} that the training graph needs "
+                              f"({str(e)[:120]})") from None
         if name in index_of:
             n = index_of[name].shape[0]
             if value.shape != (n,) or not np.array_equal(np.sort(value), np.arange(n)):
@@ -461,8 +470,10 @@ def check_checkpoint_values(get_tensor, names: tuple[str, ...], manifest: Manife
                 raise BundleError(f"{path}: tensor {name!r} holds {int((~np.isfinite(value)).sum())} NaN or infinite "
                                   "values; the checkpoint is damaged - restore a copy or re-export")
             if (peak := float(np.abs(value).max())) > MAX_ABS_VALUE:
-                raise BundleError(f"{path}: tensor {name!r} holds a value of magnitude {peak:.3g} (> {MAX_ABS_VALUE:g}, "
-                                  "which overflows float32 arithmetic); the checkpoint is damaged - restore a copy or re-export")
+                raise BundleError(f"{path}: tensor {name!r} holds a value of magnitude {peak:.3g} "
+                                  f"(> {MAX_ABS_VALUE:g}, "
+                                  "which overflows float32 arithmetic); "
+                                  "the checkpoint is damaged - restore a copy or re-export")
 
 
 def stamp_contract(bundle_dir: str | Path, manifest: Manifest) -> Manifest:

@@ -86,7 +86,8 @@ ORT_TRAINING_OPS = FORWARD_OPS | {"SoftmaxCrossEntropyLoss"} | _ms(
 #: Standard ops of the portable step graphs (forward, backward and optimizer update written from
 #: the torch joint graph with torch.onnx's dynamo exporter) beyond the forward ops.
 PORTABLE_OPS = FORWARD_OPS | {
-    "CastLike", "ConvTranspose", "Gemm", "ScatterElements", "ScatterND", "GatherElements", "GatherND", "OneHot", "Softmax",
+    "CastLike", "ConvTranspose", "Gemm", "ScatterElements", "ScatterND", "GatherElements", "GatherND", "OneHot",
+    "Softmax",
     "SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss", "ReduceSumSquare", "IsNaN", "IsInf", "Xor",
     "BitShift", "ArgMax", "ArgMin", "Trilu", "AveragePool", "InstanceNormalization", "Elu", "Softplus",
     "HardSigmoid", "HardSwish", "Gelu", "Mish", "GroupNormalization", "Erf", "Sqrt", "Log", "Exp",
@@ -207,7 +208,8 @@ def _size_problem(node, sizes: _Sizes) -> str | None:
         if delta is None or delta.size != 1 or not np.isfinite(delta).all() or delta.item() == 0:
             return "its step is not a non-zero constant"
         if start is not None and limit is not None:
-            steps = math.ceil((limit.item() - start.item()) / delta.item()) if np.isfinite([start, limit]).all() else math.inf
+            finite = np.isfinite([start, limit]).all()
+            steps = math.ceil((limit.item() - start.item()) / delta.item()) if finite else math.inf
             return None if steps <= MAX_CONSTANT_NUMEL else f"it counts {steps} steps (at most {MAX_CONSTANT_NUMEL})"
         if abs(delta.item()) < 1:
             return f"its bounds come from shapes and its step {delta.item()} is below 1 in magnitude"

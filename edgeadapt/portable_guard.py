@@ -112,8 +112,8 @@ def check_portable_graphs(paths: dict[str, Path], models: dict, manifest: Manife
                           "the bundle was edited - re-export it")
     for n, want in shapes.items():
         _expect(train_path, f"the shape of param:{n}", graph_shapes[n], want)
-    _expect(train_path, "the set of trained tensors (grad:* outputs)", sorted(_kinds(spec["graphs"]["portable_train"]
-                                                                                    ["outputs"], "grad")), sorted(trained))
+    trained_outputs = sorted(_kinds(spec["graphs"]["portable_train"]["outputs"], "grad"))
+    _expect(train_path, "the set of trained tensors (grad:* outputs)", trained_outputs, sorted(trained))
     for n in trained:
         _expect(train_path, f"the shape of grad:{n}", _dims(train_out["grad:" + n]), graph_shapes[n])
     out_spec = manifest.output
@@ -154,7 +154,8 @@ def check_portable_graphs(paths: dict[str, Path], models: dict, manifest: Manife
         _expect(paths[PORTABLE_STATS_ROLE], "the set of running statistics", sorted(stat_outs), sorted(stats))
     for n in stats:
         if n not in graph_shapes:
-            raise BundleError(f"{train_path}: updates stat:{n}, which is not one of its parameters; re-export the bundle")
+            raise BundleError(f"{train_path}: updates stat:{n}, which is not one of its parameters; "
+                              "re-export the bundle")
     _check_optimizer(paths["portable_optimizer"], io["portable_optimizer"], spec["graphs"]["portable_optimizer"],
                      manifest, trained, graph_shapes)
     return tuple(params)

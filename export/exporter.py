@@ -140,7 +140,8 @@ def _verify_budget(graph: Graph, plan: Plan) -> None:
         verify(graph, plan, plan.budget_bytes)
 
 
-def _bake_recompute(training_path: Path, model_proto: onnx.ModelProto, graph: Graph, plan: Plan) -> tuple[Plan, list[str]]:
+def _bake_recompute(training_path: Path, model_proto: onnx.ModelProto, graph: Graph,
+                    plan: Plan) -> tuple[Plan, list[str]]:
     """Rebuild the saved tensors of the plan's recomputed ops in the backward of the training graph.
 
     The saved tensors are found in the graph ONNX Runtime trains (its artifact generator fuses
@@ -396,12 +397,13 @@ def _export(model: nn.Module, example_input: torch.Tensor, out_dir: str | Path, 
             if plan is not None and plan.recomputed:
                 plain_training = training_path.read_bytes()
                 plan, recomputed = _bake_recompute(training_path, model_proto, graph, plan)
-            for f in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", *([PREFIX_FILE] if split else [])):
+            for f in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx",
+                      *([PREFIX_FILE] if split else [])):
                 ir = onnx.load(stage / f, load_external_data=False).ir_version
                 if ir > MAX_IR_VERSION:
                     raise RuntimeError(
                         f"{f} has ONNX IR version {ir}; ONNX Runtime 1.19.2 loads <= {MAX_IR_VERSION}. "
-                        "Install onnx==1.17.0 (pip install 'edgeadapt[server]')"
+                        "Install onnx==1.17.0 (pip install \".[server]\" in an edgeadapt checkout)"
                     )
             if label is not None:  # ORT's loss blocks name their label input ("labels" or "target"): record theirs
                 train_inputs = onnx.load(training_path, load_external_data=False).graph.input

@@ -334,7 +334,8 @@ def _reduce_keepdims(rw: _Rewriter, node: onnx.NodeProto) -> list[onnx.NodeProto
     return rw.chain(node, [(node.op_type, [x], "keepdims", attrs), ("Squeeze", ["@0", squeeze], "squeeze", {})])
 
 
-def _gathers(rw: _Rewriter, node: onnx.NodeProto, x: str, per_axis: list[tuple[int, list[int]]]) -> list[onnx.NodeProto]:
+def _gathers(rw: _Rewriter, node: onnx.NodeProto, x: str,
+             per_axis: list[tuple[int, list[int]]]) -> list[onnx.NodeProto]:
     steps, src = [], x
     for k, (axis, index) in enumerate(per_axis):
         idx = rw.init(node, f"index_{axis}", np.array(index, dtype=np.int64))
@@ -443,7 +444,8 @@ def lacks_gradient(node: onnx.NodeProto) -> bool:
 
 #: (op type, rewrite) applied in this order by :func:`fit_for_ort_gradients`.
 _OP_REWRITES = (
-    ("InstanceNormalization", _instance_norm), ("Elu", _elu), ("Softplus", _softplus), ("HardSigmoid", _hard_sigmoid), ("HardSwish", _hard_swish),
+    ("InstanceNormalization", _instance_norm), ("Elu", _elu), ("Softplus", _softplus),
+    ("HardSigmoid", _hard_sigmoid), ("HardSwish", _hard_swish),
     ("ReduceMax", _reduce_max), ("ReduceMin", _reduce_max),
     ("ReduceLogSumExp", _reduce_keepdims), ("ReduceL2", _reduce_keepdims),
     ("Slice", _reversed_slice), ("Resize", _nearest_resize),

@@ -33,7 +33,8 @@ from ..sched.plan import ParamPlan, Plan
 from ..sched.policy import Mode, UpdatePolicy
 from ..sched.resolve import resolve_param_list
 
-__all__ = ["FrozenBatchNorm", "ChannelSplit", "PreparedModel", "prepare_model", "prepare_from_plan", "channel_masks", "BATCHNORM_MODES"]
+__all__ = ["FrozenBatchNorm", "ChannelSplit", "PreparedModel", "prepare_model", "prepare_from_plan", "channel_masks",
+           "BATCHNORM_MODES"]
 
 log = logging.getLogger(__name__)
 
@@ -139,14 +140,16 @@ def _apply(prepared: nn.Module, decisions: dict[str, ParamPlan], labels: dict[st
                 n_out = shape[0] if shape else 1
                 channels = decision.channels
                 if not shape or channels[-1] >= n_out:
-                    raise ValueError(f"the plan trains channels {list(channels)} of {name}, which has shape {list(shape)}")
+                    raise ValueError(f"the plan trains channels {list(channels)} of {name}, "
+                                     f"which has shape {list(shape)}")
                 if len(channels) == n_out:
                     decision = ParamPlan(name, Mode.FULL)
             if decision.mode is Mode.CHANNELS:
                 parametrize.register_parametrization(module, local, ChannelSplit(channels, n_out), unsafe=True)
                 base = f"{path}.parametrizations.{local}" if path else f"parametrizations.{local}"
                 onnx_names = {"trained": f"{base}.original0", "frozen": f"{base}.original1", "index": f"{base}.0.index"}
-                entries.append(ParameterEntry(name, shape, Mode.CHANNELS.value, onnx_names, numel // n_out * len(channels)))
+                entries.append(ParameterEntry(name, shape, Mode.CHANNELS.value, onnx_names,
+                                              numel // n_out * len(channels)))
                 trained_channels[name] = channels
             elif decision.trains:
                 entries.append(ParameterEntry(name, shape, labels.get(name, Mode.FULL.value), {"value": name}, numel))
@@ -209,7 +212,8 @@ def prepare_model(model: nn.Module, policy: UpdatePolicy, batchnorm: str = "froz
     return _apply(prepared, decisions, labels)
 
 
-def channel_masks(entries: tuple[ParameterEntry, ...], trained_channels: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+def channel_masks(entries: tuple[ParameterEntry, ...],
+                  trained_channels: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
     """Per-parameter bool masks over output channels (axis 0); True where values may change."""
     masks = {}
     for e in entries:

@@ -43,6 +43,7 @@ again as the final reduction, and the gap between torch's float32 and float64
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -209,10 +210,10 @@ class ReductionBounds:
     def _known_terms(self, module, x, dy, tensors):
         if isinstance(module, (*_NORMS, _frozen_batchnorm_type())):
             coefficient = _normalized(module, x).abs()
-            twin = lambda c: _norm_twin(module, c)
+            twin = functools.partial(_norm_twin, module)
         elif _is_input_linear(module):
             coefficient = x.abs()
-            twin = lambda c: _input_linear_twin(module, c)
+            twin = functools.partial(_input_linear_twin, module)
         else:
             return None
         magnitudes = self._vjp(twin(coefficient), tensors, dy.abs())

@@ -303,7 +303,8 @@ def _torch_reference(module: nn.Module, batchnorm: str, x: np.ndarray, y: np.nda
     return loss64, out64, grads64, spread, bounds64
 
 
-def _torch_pass(module: nn.Module, batchnorm: str, x: np.ndarray, y: np.ndarray | None, loss: str, torch_names: list[str],
+def _torch_pass(module: nn.Module, batchnorm: str, x: np.ndarray, y: np.ndarray | None, loss: str,
+                torch_names: list[str],
                 dtype: torch.dtype) -> tuple[float, np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray]]:
     model = copy.deepcopy(module).to(dtype).eval()
     if batchnorm == "batch":  # ONNX Runtime trains BatchNormalization with batch statistics

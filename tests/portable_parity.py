@@ -48,13 +48,15 @@ class PortableGraphs:
         self.spec = m.portable["graphs"]
         options = ort.SessionOptions()
         options.intra_op_num_threads = 1
-        self.sessions = {role: ort.InferenceSession(str(bundle / m.files[role]), options, providers=["CPUExecutionProvider"])
+        self.sessions = {role: ort.InferenceSession(str(bundle / m.files[role]), options,
+                                                    providers=["CPUExecutionProvider"])
                          for role in self.spec}
         self.prefix = (ort.InferenceSession(str(bundle / m.files["prefix_model"]), options,
                                             providers=["CPUExecutionProvider"]) if m.has_prefix else None)
         with np.load(bundle / m.files["portable_state"], allow_pickle=False) as z:
             self.state = {k: z[k] for k in z.files}
-        self.params = {r[6:]: self.state[r[6:]] for r, _ in self.spec["portable_train"]["inputs"] if r.startswith("param:")}
+        self.params = {r[6:]: self.state[r[6:]] for r, _ in self.spec["portable_train"]["inputs"]
+                       if r.startswith("param:")}
         self.trained = [r[5:] for r, _ in self.spec["portable_train"]["outputs"] if r.startswith("grad:")]
 
     def run(self, role: str, feeds: dict) -> dict:
@@ -114,7 +116,8 @@ class TorchReference:
                 full[e.name] = leaves.get(names["value"], torch.tensor(params[names["value"]], dtype=dtype))
         values = {n: v.to(dtype) for n, v in self.fixed.items()}
         values.update(full)
-        values.update({n: torch.tensor(params[n], dtype=dtype) if n in params else b.to(dtype) if b.is_floating_point() else b
+        values.update({n: torch.tensor(params[n], dtype=dtype) if n in params
+                       else b.to(dtype) if b.is_floating_point() else b
                        for n, b in self.buffers.items()})
         return leaves, values
 

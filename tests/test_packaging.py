@@ -32,7 +32,8 @@ def test_subpackages_resolve_inside_the_namespace():
     proc = run_python(
         "import edgeadapt.export, edgeadapt.datasets, importlib.util\n"
         "print(edgeadapt.export.__name__, edgeadapt.datasets.__name__)\n"
-        "print(importlib.util.find_spec('datasets') is None or 'edgeadapt' not in str(importlib.util.find_spec('datasets').origin))",
+        "print(importlib.util.find_spec('datasets') is None or "
+        "'edgeadapt' not in str(importlib.util.find_spec('datasets').origin))",
         cwd=REPO / "tests",
     )
     assert proc.returncode == 0, proc.stderr

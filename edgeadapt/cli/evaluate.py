@@ -19,7 +19,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     r = runner.evaluate(X, y)
     result = {"loss": r.loss, "accuracy": r.accuracy, "n_windows": r.n_windows}
     print(json.dumps(result) if args.json else
-          f"loss {r.loss:.4f}" + (f"  accuracy {r.accuracy:.4f}" if r.accuracy is not None else "") + f"  ({r.n_windows} windows)")
+          f"loss {r.loss:.4f}" + (f"  accuracy {r.accuracy:.4f}" if r.accuracy is not None else "")
+          + f"  ({r.n_windows} windows)")
     return 0
 
 

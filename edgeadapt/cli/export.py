@@ -24,7 +24,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         model.load_state_dict(state)
     shape = [int(s) for s in args.input_shape.split(",")]
     example = torch.randn(args.batch_size, *shape)
-    opt = OptimizerConfig(args.optimizer, lr=args.lr, weight_decay=args.weight_decay if args.optimizer == "adamw" else 0.0)
+    opt = OptimizerConfig(args.optimizer, lr=args.lr,
+                          weight_decay=args.weight_decay if args.optimizer == "adamw" else 0.0)
     policy = UpdatePolicy.parse(args.policy) if args.policy else None
     manifest = export_bundle(model, example, args.out, policy=policy, loss=args.loss, optimizer=opt,
                              batchnorm=args.batchnorm, memory_budget=args.memory_budget, n_windows=args.n_windows,
@@ -52,7 +53,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--factory-kwargs", help="JSON object of keyword arguments for the factory")
     p.add_argument("--policy", default=None,
                    help="full | last-layer | bias-norm | 'pattern=mode,...' with mode frozen|bias|full|"
-                        "channels:RATIO|channels:I+J (default: last-layer; with --memory-budget: chosen by the planner)")
+                        "channels:RATIO|channels:I+J "
+                        "(default: last-layer; with --memory-budget: chosen by the planner)")
     p.add_argument("--memory-budget", default=None, metavar="BYTES",
                    help="bound on the peak memory of a whole adapt call, e.g. 512KiB, 2MiB: with --policy the "
                         "policy is checked against it, without one the planner picks what trains")

@@ -39,7 +39,8 @@ def _load(bundle_dir: str | os.PathLike):
     try:
         return manifest, Plan.from_dict(manifest.plan), Graph.from_dict(manifest.graph)
     except (KeyError, TypeError, ValueError) as e:
-        raise BundleError(f"{bundle_dir}: the manifest's plan or graph is malformed ({e}); re-export the bundle") from None
+        raise BundleError(f"{bundle_dir}: the manifest's plan or graph is malformed ({e}); "
+                          "re-export the bundle") from None
 
 
 def plan_report(bundle_dir: str | os.PathLike, *, n_windows: int | None = None,
@@ -146,7 +147,8 @@ def format_report(r: dict[str, Any], measured: dict[str, Any] | None = None) -> 
         out.append("predicted peak per phase (everything alive at that point):")
         out.extend(_phase_lines(peak))
     if measured is not None:
-        out.append(f"measured     adapt over {measured['n_windows']} windows, 1 epoch, batch {measured['batch_windows']}, "
+        out.append(f"measured     adapt over {measured['n_windows']} windows, 1 epoch, "
+                   f"batch {measured['batch_windows']}, "
                    f"{measured['steps']} steps, fresh torch-free process as a user has it (edgeadapt.measure), "
                    f"device {measured['device']}")
         pred = peak["peak_bytes"] if peak else None

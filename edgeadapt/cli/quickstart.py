@@ -26,7 +26,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("quickstart", help="the main job on built-in data: pretrain, export, adapt, report")
     p.add_argument("--dataset", default="synthetic", help="synthetic | watch | path to a .npz/.csv")
     p.add_argument("--model", default="cnn", choices=("cnn", "mobilenet", "transformer"))
-    p.add_argument("--policy", default="sparse", help="sparse (default) | last-layer | bias-norm | full | pattern=mode,...")
+    p.add_argument("--policy", default="sparse",
+                   help="sparse (default) | last-layer | bias-norm | full | pattern=mode,...")
     p.add_argument("--k-per-class", type=int, default=5, help="labeled windows per class from the new subject")
     p.add_argument("--epochs", type=int, default=None, help="adaptation epochs (default: chosen for the data)")
     p.add_argument("--seed", type=int, default=0)

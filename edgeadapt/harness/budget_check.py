@@ -129,7 +129,8 @@ def model_budgets(model, example, settings: CheckSettings, count: int) -> list[i
     return budget_ladder(low, max(low, sched.predict(graph, full).peak_bytes), count)
 
 
-def check_budget(name: str, budget_bytes: int, workdir: Path, settings: CheckSettings = CheckSettings()) -> dict[str, Any]:
+def check_budget(name: str, budget_bytes: int, workdir: Path,
+                 settings: CheckSettings = CheckSettings()) -> dict[str, Any]:
     """Export ``name`` under ``budget_bytes`` and measure one adapt call (module docstring) in two
     fresh processes: the bound (loaded, then adapt, freed heap returned to the OS before the
     baseline: everything the call touches counts) and a user's (loaded, ``predict`` on the data,
@@ -158,7 +159,8 @@ def check_budget(name: str, budget_bytes: int, workdir: Path, settings: CheckSet
     return {
         "model": name, "budget_bytes": budget_bytes, "backend": bound["backend"],
         "trainable_numel": manifest.trainable_numel, "total_numel": manifest.total_numel,
-        "micro_batch_windows": plan["micro_batch_windows"], "cut": plan["cut"], "cache_features": plan["cache_features"],
+        "micro_batch_windows": plan["micro_batch_windows"], "cut": plan["cut"],
+        "cache_features": plan["cache_features"],
         "predicted_bytes": predicted, "predicted_where": (plan.get("predicted") or {}).get("where"),
         "call_peak_anon_bytes": bound["call_peak_anon_bytes"], "call_peak_bytes": bound["call_peak_bytes"],
         "user_anon_bytes": user["call_peak_anon_bytes"], "user_total_bytes": user["call_peak_bytes"],

@@ -30,7 +30,8 @@ from ..sched.errors import NoFeasiblePlan
 from ..units import format_bytes, parse_bytes
 from ..datasets import SyntheticConfig, WindowDataset, load_dataset, make_synthetic
 from ..versions import host_info
-from .study import FIXED_LR, METHODS, budget_method, make_split, per_subject_accuracy, pretrain_source, run_method, save_target_data
+from .study import (FIXED_LR, METHODS, budget_method, make_split, per_subject_accuracy, pretrain_source, run_method,
+                    save_target_data)
 
 __all__ = ["QuickstartConfig", "run_quickstart", "quickstart_command", "readme_table"]
 

@@ -291,7 +291,8 @@ def export_method(method: str, model, model_name: str, example_X: np.ndarray, bu
 
 def run_method(method: str, model, model_name: str, split: SplitData, target_data: tuple[Path, Path],
                workdir: Path, *, epochs: int, lr: float, batch_size: int = 16, seed: int = 0,
-               threads: int | None = None, policy: str | None = None, unlabeled: dict | None = None, progress: bool = False) -> dict:
+               threads: int | None = None, policy: str | None = None, unlabeled: dict | None = None,
+               progress: bool = False) -> dict:
     """Export ``model`` for ``method`` and adapt it to the target in a torch-free process.
 
     ``target_data`` are the files :func:`save_target_data` wrote for ``split``. ``lr`` is the

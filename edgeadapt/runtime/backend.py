@@ -154,7 +154,8 @@ class OrtTrainingBackend:
                 raise
             reason = (str(e).strip().splitlines() or [type(e).__name__])[-1][-300:]
             raise BundleError(f"{self._train_path} (with {self._optim_path.name}): ONNX Runtime could not build the "
-                              f"training session ({reason}); the bundle is damaged - re-export it or restore a copy") from None
+                              f"training session ({reason}); "
+                              "the bundle is damaged - re-export it or restore a copy") from None
         self._module = module
         outputs = module.output_names(True)
         self._train_output_index = outputs.index(self._output_name)

@@ -54,8 +54,8 @@ def open_on_device(device: str, create: Callable[[str], T]) -> tuple[T, str]:
             if device == "cuda":
                 raise DeviceUnavailableError(
                     f"CUDA cannot run the training session ({reason}). Install the CUDA build "
-                    "(pip install 'edgeadapt[device-cuda]', which needs CUDA 11.8 and cuDNN 8 "
-                    "libraries), or use --device cpu / device='cpu'"
+                    "(the device-cuda extra: pip install \".[device-cuda]\" in an edgeadapt checkout, with the CUDA "
+                    "and cuDNN libraries onnxruntime-gpu needs), or use --device cpu / device='cpu'"
                 ) from None
             log.warning("CUDA could not create the training session (%s); falling back to the CPU", reason)
     else:

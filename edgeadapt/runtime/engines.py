@@ -64,7 +64,7 @@ def choose_backend(manifest: Manifest, requested: str = "auto", where: str = "th
     version = import_onnxruntime().__version__
     raise BackendUnavailableError(
         f"{where} trains with {b} ({_ENGINES[b]}), which this installation (onnxruntime {version}) cannot run: "
-        f"pip install \"edgeadapt[{_EXTRAS[b]}]\"")
+        f"pip install \".[{_EXTRAS[b]}]\" in an edgeadapt checkout (or the wheel with [{_EXTRAS[b]}])")
 
 
 def dropped_roles(backend: str) -> set[str]:

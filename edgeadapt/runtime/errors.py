@@ -82,7 +82,8 @@ class AdaptInterrupted(KeyboardInterrupt):
 
     def __init__(self, step: int, epoch: int, epochs_done: int):
         self.step, self.epoch, self.epochs_done = step, epoch, epochs_done
-        super().__init__(f"interrupted; the runner holds the end of epoch {epoch} (step {step}), the last completed one")
+        super().__init__(f"interrupted; the runner holds the end of epoch {epoch} (step {step}), "
+                         "the last completed one")
 
 
 class NonFiniteStateError(ValueError):

@@ -186,7 +186,8 @@ class PortableBackend:
         portable = manifest.portable
         check_opset_supported(int(portable["opset"]), ort.__version__)
         self._specs = portable["graphs"]
-        self._paths = {role: Path(bundle_dir) / manifest.files[role] for role in PORTABLE_GRAPH_ROLES if role in manifest.files}
+        self._paths = {role: Path(bundle_dir) / manifest.files[role] for role in PORTABLE_GRAPH_ROLES
+                       if role in manifest.files}
         self._threads = threads
         opt = manifest.optimizer
         self._adamw = opt["name"] == "adamw"
@@ -255,7 +256,8 @@ class PortableBackend:
         stats = [r.split(":", 1)[1] for r, _ in train_spec["outputs"] if r.startswith("stat:")]
         missing = [n for n in params if n not in state]
         if missing:
-            raise BundleError(f"{path}: holds no tensor {missing[0]!r} that the portable graphs need; the state is damaged")
+            raise BundleError(f"{path}: holds no tensor {missing[0]!r} that the portable graphs need; "
+                              "the state is damaged")
         eval_meta = {i.name: i for i in self._eval.session.get_inputs()}
         eval_names = dict((r, n) for r, n in self._eval.inputs)
         for n in params:
@@ -284,7 +286,8 @@ class PortableBackend:
                     self._opt_state[kind][n] = _Tensor(self._ort, v, True)
         step = state.get(_STEP_KEY, np.int64(0))
         if step.shape != () or step.dtype.kind not in "iu" or int(step) < 0:
-            raise BundleError(f"{path}: 'step' must be a non-negative integer scalar, got {step.dtype} {list(step.shape)}")
+            raise BundleError(f"{path}: 'step' must be a non-negative integer scalar, "
+                              f"got {step.dtype} {list(step.shape)}")
         self._opt_step = int(step)
 
     @property

@@ -36,7 +36,8 @@ from .call_plan import CallPlan
 from .engines import STATE_ROLES, choose_backend, dropped_roles, kept_roles
 from .portable import PortableBackend
 from ..interrupt import StopAtStepBoundary
-from .errors import AdaptInterrupted, DeviceUnavailableError, NonFiniteLossError, NonFiniteStateError, NonFiniteUpdateError
+from .errors import (AdaptInterrupted, DeviceUnavailableError, NonFiniteLossError, NonFiniteStateError,
+                     NonFiniteUpdateError)
 from .finite import SQUARE_SAFE_LIMIT, first_out_of_range
 from .peaks import AdaptPeaks
 from .rollback import EpochValues
@@ -400,7 +401,7 @@ class Runner:
             self._backend.open_training()
             for e in range(epochs):
                 kept = EpochValues.take(self._backend, self._mutable_tensors())
-                start_step, start_epoch = self.step, self.epoch
+                start_step = self.step
                 epoch_loss = 0.0
                 for idx in batches(self.epoch):
                     if stop.requested:
@@ -585,7 +586,8 @@ class Runner:
                 out[e.name] = frozen_in_prefix[e.onnx_names["value"]].copy()
             elif e.is_split:
                 names = e.onnx_names
-                both = np.concatenate([self._backend.get_tensor(names["trained"]), self._backend.get_tensor(names["frozen"])])
+                both = np.concatenate([self._backend.get_tensor(names["trained"]),
+                                       self._backend.get_tensor(names["frozen"])])
                 out[e.name] = both[self._backend.get_tensor(names["index"])]
             else:
                 out[e.name] = self._backend.get_tensor(e.onnx_names["value"])

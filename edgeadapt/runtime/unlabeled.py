@@ -103,7 +103,8 @@ class UnlabeledSettings:
         if isinstance(self.gate_settings, dict):
             object.__setattr__(self, "gate_settings", GateSettings(**self.gate_settings))
         if not (self.stats_prior_windows >= 0):
-            raise ValueError(f"stats_prior_windows must be >= 0 (inf: keep the source's), got {self.stats_prior_windows}")
+            raise ValueError("stats_prior_windows must be >= 0 (inf: keep the source's), "
+                             f"got {self.stats_prior_windows}")
         for name in ("entropy_steps", "batch_size", "min_prototype_windows", "gate_windows", "gate_views"):
             value = getattr(self, name)
             low = 0 if name == "entropy_steps" else 1
@@ -457,7 +458,8 @@ class UnlabeledAdapter:
         if decision is not None:
             log.info("label-free gate: %s%s", "kept" if decision.kept else "returned to the source model",
                      "" if decision.kept else " (" + "; ".join(decision.reasons) + ")")
-        return UnlabeledResult(kept, decision, stages if kept else (), tuple(self._skipped), tuple(self._resets), self._n_resets,
+        return UnlabeledResult(kept, decision, stages if kept else (), tuple(self._skipped), tuple(self._resets),
+                               self._n_resets,
                                self._n_adapt, self._gate_fill, weight if kept else 0.0, self._steps, self._updates,
                                self.settings.to_dict(), time.perf_counter() - self._start)
 

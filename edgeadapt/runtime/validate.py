@@ -43,7 +43,8 @@ def check_inputs(manifest: Manifest, x: np.ndarray, what: str = "X") -> np.ndarr
     if x.ndim == 0:
         raise InputError(f"{what} is a scalar; it must be a batch of windows {list(spec.shape)}")
     if x.dtype.newbyteorder("=") != np.dtype(spec.dtype):
-        raise InputError(f"{what} has dtype {x.dtype}, the bundle expects {spec.dtype}; convert with {what}.astype(np.{spec.dtype})")
+        raise InputError(f"{what} has dtype {x.dtype}, the bundle expects {spec.dtype}; "
+                         f"convert with {what}.astype(np.{spec.dtype})")
     want = spec.shape
     if x.ndim != len(want) or any(w is not None and w != g for w, g in zip(want, x.shape)):
         shown = ["batch" if w is None else w for w in want]
@@ -134,7 +135,8 @@ def check_labels(manifest: Manifest, y: np.ndarray | None, n_windows: int, what:
         return native_contiguous(y)
     want = spec["shape"]
     if y.ndim != len(want) or any(w is not None and w != g for w, g in zip(want, y.shape)):
-        raise InputError(f"{what} has shape {list(y.shape)}, the bundle expects {['batch' if w is None else w for w in want]}")
+        raise InputError(f"{what} has shape {list(y.shape)}, "
+                         f"the bundle expects {['batch' if w is None else w for w in want]}")
     if not np.issubdtype(y.dtype, np.floating):
         raise InputError(f"{what} must be float targets for {manifest.loss}, got dtype {y.dtype}")
     if y.dtype.newbyteorder("=") != np.dtype(spec["dtype"]):

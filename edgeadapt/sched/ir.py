@@ -46,7 +46,8 @@ class Param:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
-        _check_nonneg(f"param {self.name!r}", dtype_bytes=self.dtype_bytes, **{f"shape[{i}]": s for i, s in enumerate(self.shape)})
+        _check_nonneg(f"param {self.name!r}", dtype_bytes=self.dtype_bytes,
+                      **{f"shape[{i}]": s for i, s in enumerate(self.shape)})
 
     @property
     def numel(self) -> int:

@@ -87,7 +87,8 @@ class Rule:
             if self.indices is not None and (not self.indices or min(self.indices) < 0):
                 raise ValueError(f"rule {self.pattern!r}: indices must be a non-empty list of channels >= 0")
         elif self.indices is not None or self.ratio is not None:
-            raise ValueError(f"rule {self.pattern!r}: indices/ratio only apply to mode 'channels', not {self.mode.value!r}")
+            raise ValueError(f"rule {self.pattern!r}: indices/ratio only apply to mode 'channels', "
+                             f"not {self.mode.value!r}")
 
     def matches(self, module_path: str, module_type: str, param: str | None = None) -> bool:
         """Whether the rule decides parameter ``param`` (a local name) of the module at

@@ -28,7 +28,8 @@ import numpy as np
 from .cost import ActivationArrays, activation_arrays
 from .ir import Graph
 
-__all__ = ["Chain", "chain_from_graph", "chain_peak", "chain_flops", "min_flops_schedule", "min_peak", "min_peak_schedule",
+__all__ = ["Chain", "chain_from_graph", "chain_peak", "chain_flops", "min_flops_schedule", "min_peak",
+           "min_peak_schedule",
            "sqrt_schedule", "brute_force_schedule"]
 
 _NONE = -1  # tail_bwd when no op after the last candidate needs a gradient

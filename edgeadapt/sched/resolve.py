@@ -34,7 +34,8 @@ __all__ = ["resolve_channels", "resolve_params", "resolve_param_list", "plan_fro
            "first_trained_op", "cut_of", "trained_bytes", "last_layer_modules", "resolve_last_layer"]
 
 
-def resolve_channels(rule: Rule, module_path: str, weight: np.ndarray | None, n_out: int | None = None) -> tuple[int, ...]:
+def resolve_channels(rule: Rule, module_path: str, weight: np.ndarray | None,
+                     n_out: int | None = None) -> tuple[int, ...]:
     """The sorted output channels that ``rule`` trains for a module.
 
     Args:
@@ -210,7 +211,8 @@ def resolve_last_layer(graph: Graph, policy: UpdatePolicy) -> UpdatePolicy:
                      f"in Python UpdatePolicy.last_layer({modules[-1]!r}))")
 
 
-def resolve_params(graph: Graph, policy: UpdatePolicy, weights: dict[str, np.ndarray] | None = None) -> tuple[ParamPlan, ...]:
+def resolve_params(graph: Graph, policy: UpdatePolicy,
+                   weights: dict[str, np.ndarray] | None = None) -> tuple[ParamPlan, ...]:
     """One :class:`ParamPlan` per graph parameter, in graph order (see :func:`resolve_param_list`)."""
     decided = resolve_param_list(graph.params, policy, weights)
     return tuple(decided[p.name] for p in graph.params)

@@ -29,7 +29,8 @@ from .cost import CostModel, activation_arrays, clean_cut, live_bytes
 from .ir import Graph
 from .remat import chain_from_graph, chain_peak, min_peak
 
-__all__ = ["Unit", "Config", "Selection", "SelectionProblem", "candidate_units", "build_problem", "select_milp", "select_greedy",
+__all__ = ["Unit", "Config", "Selection", "SelectionProblem", "candidate_units", "build_problem", "select_milp",
+           "select_greedy",
            "select_brute_force", "selection_peak"]
 
 log = logging.getLogger(__name__)
@@ -229,7 +230,8 @@ def build_problem(graph: Graph, units: tuple[Unit, ...], cost: CostModel, *, mic
     splits = tuple((name, cost.channel_weight_factor * graph.param(name).param_bytes, tuple(idx))
                    for name, idx in members.items() if len(idx) > 1 and cost.channel_weight_factor > 0)
     return SelectionProblem(tuple(units), tuple(configs), session_factor + roll,
-                            session_factor + roll + cost.optimizer_workspace_factor, session_factor, tuple(opt_fixed), m,
+                            session_factor + roll + cost.optimizer_workspace_factor, session_factor,
+                            tuple(opt_fixed), m,
                             splits)
 
 
@@ -241,7 +243,8 @@ def selection_peak(problem: SelectionProblem, chosen: tuple[int, ...], config: i
         return math.inf
     t = sum(problem.units[u].trained_bytes for u in chosen)
     split = problem.split_bytes(chosen)
-    peaks = [c.fixed_bytes + problem.train_factor * t + split, problem.opt_fixed[config] + problem.opt_factor * t + split]
+    peaks = [c.fixed_bytes + problem.train_factor * t + split,
+             problem.opt_fixed[config] + problem.opt_factor * t + split]
     if c.cache_features:
         peaks.append(c.features_bytes + problem.session_factor * t + split)
     return max(peaks)
@@ -343,27 +346,33 @@ def select_milp(problem: SelectionProblem, budget_bytes: int, time_limit_s: floa
         r[:nu], r[nu:nu + nc], r[nu + nc:nu + nc + ns] = units, configs, split
         return r
 
-    rows.append(row(configs=1.0)); lb.append(1); ub.append(1)
-    rows.append(row(units=1.0)); lb.append(1); ub.append(np.inf)
+    def constrain(r: np.ndarray, lower: float, upper: float) -> None:
+        rows.append(r)
+        lb.append(lower)
+        ub.append(upper)
+
+    constrain(row(configs=1.0), 1, 1)
+    constrain(row(units=1.0), 1, np.inf)
     big = float(budget_bytes)
     fixed = np.array([c.fixed_bytes for c in problem.configs], dtype=np.float64)
     feat = np.array([c.features_bytes if c.cache_features else 0 for c in problem.configs], dtype=np.float64)
-    rows.append(row(problem.train_factor * tb, fixed, copies)); lb.append(-np.inf); ub.append(big)
-    rows.append(row(problem.opt_factor * tb, np.array(problem.opt_fixed, dtype=np.float64), copies))
-    lb.append(-np.inf); ub.append(big)
-    rows.append(row(problem.session_factor * tb, feat, copies)); lb.append(-np.inf); ub.append(big)
+    constrain(row(problem.train_factor * tb, fixed, copies), -np.inf, big)
+    constrain(row(problem.opt_factor * tb, np.array(problem.opt_fixed, dtype=np.float64), copies), -np.inf, big)
+    constrain(row(problem.session_factor * tb, feat, copies), -np.inf, big)
     first = np.array([c.first_op for c in problem.configs])
     for i, u in enumerate(problem.units):
         r = row(configs=-(first <= u.op_index).astype(np.float64))
         r[i] = 1.0
-        rows.append(r); lb.append(-np.inf); ub.append(0.0)
+        constrain(r, -np.inf, 0.0)
     for k, (_, _, members) in enumerate(problem.splits):
         s_k, a_k = nu + nc + k, nu + nc + ns + k
         for g in members:
-            r = np.zeros(nv); r[a_k], r[g] = 1.0, -1.0  # a_p <= x_g
-            rows.append(r); lb.append(-np.inf); ub.append(0.0)
-            r = np.zeros(nv); r[g], r[a_k], r[s_k] = 1.0, -1.0, -1.0  # x_g - a_p <= s_p
-            rows.append(r); lb.append(-np.inf); ub.append(0.0)
+            r = np.zeros(nv)
+            r[a_k], r[g] = 1.0, -1.0  # a_p <= x_g
+            constrain(r, -np.inf, 0.0)
+            r = np.zeros(nv)
+            r[g], r[a_k], r[s_k] = 1.0, -1.0, -1.0  # x_g - a_p <= s_p
+            constrain(r, -np.inf, 0.0)
     with _native_stdout_to_log():
         res = milp(c_obj, constraints=LinearConstraint(np.array(rows), lb, ub),
                    integrality=np.ones(nv), bounds=Bounds(0, 1),

@@ -73,7 +73,8 @@ class TrainingState(Protocol):
     def load_buffers(self, buffers: dict[str, torch.Tensor]) -> None: ...
     def signature(self) -> dict: ...
 
-__all__ = ["CheckpointMismatch", "CheckpointDamaged", "CheckpointWriteError", "save", "save_sharded", "load", "latest", "check_signature", "rng_state",
+__all__ = ["CheckpointMismatch", "CheckpointDamaged", "CheckpointWriteError", "save", "save_sharded", "load", "latest",
+           "check_signature", "rng_state",
            "set_rng_state", "TrainingState"]
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,8 @@ def _read_json(path: Path) -> dict:
         raise CheckpointDamaged(f"{path} is damaged ({type(e).__name__}: {_reason(e)}); resume from another "
                                 "checkpoint or start a new run") from None
     if not isinstance(value, dict):
-        raise CheckpointDamaged(f"{path} is damaged (not a JSON object); resume from another checkpoint or start a new run")
+        raise CheckpointDamaged(f"{path} is damaged (not a JSON object); "
+                                "resume from another checkpoint or start a new run")
     return value
 
 
@@ -240,7 +242,8 @@ def load(trainer: TrainingState, directory: Path) -> None:
     folder = latest(directory)
     meta = _read_json(folder / "meta.json")
     if meta.get("format") != FORMAT:
-        raise CheckpointMismatch(f"{folder} has checkpoint format {meta.get('format')!r}; this edgeadapt reads {FORMAT}")
+        raise CheckpointMismatch(f"{folder} has checkpoint format {meta.get('format')!r}; "
+                                 f"this edgeadapt reads {FORMAT}")
     zero, sharding = meta.get("zero1"), getattr(trainer, "sharding", None)
     if zero is not None and sharding is None:
         raise CheckpointMismatch(

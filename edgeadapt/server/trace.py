@@ -2,7 +2,8 @@
 
 A *block* is the unit the streaming trainer moves between tiers: each item of a top-level
 ``nn.ModuleList`` / ``nn.Sequential`` child (or of the model itself when it is one), and every
-other top-level child module that owns parameters. Modules without parameters (pooling, activations) stay where they are and run as
+other top-level child module that owns parameters. Modules without parameters (pooling,
+activations) stay where they are and run as
 ordinary torch code between blocks.
 
 The parameters outside every such block (directly on the root module, e.g. a positional
@@ -206,7 +207,8 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
         outs = nested_tensors(out)
         out_bytes[i] = sum(_nbytes(t) for t in outs)
         first = outs[0] if outs else None
-        out_numel_per_ch[i] = (first.numel() // max(1, first.shape[-1] if first.dim() else 1)) if first is not None else 1
+        per_ch = first.numel() // max(1, first.shape[-1] if first.dim() else 1) if first is not None else 1
+        out_numel_per_ch[i] = per_ch
 
     def pack(t: torch.Tensor):
         if active:

@@ -85,7 +85,8 @@ def _build(args: argparse.Namespace, ctx: DistContext) -> tuple[torch.nn.Module,
                 "config": cfg.to_dict()}
         return model, source, spec, "cross_entropy"     # the trainer's cross-entropy flattens tokens
     if args.data.endswith(".npy"):
-        raise ValueError(f"--model {args.model} trains on labelled windows: give --data synthetic|watch|FILE.npz|FILE.csv")
+        raise ValueError(f"--model {args.model} trains on labelled windows: "
+                         "give --data synthetic|watch|FILE.npz|FILE.csv")
     train, held_out = load_windows(args.data, hold_out_subject=args.hold_out_subject)
     if held_out is not None and ctx.is_main:
         shot = few_shot_split(held_out, args.hold_out_subject, k_per_class=HOLD_OUT_K_PER_CLASS, seed=args.seed)

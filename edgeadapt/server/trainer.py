@@ -136,7 +136,8 @@ class Trainer:
             :func:`edgeadapt.server.trace.find_blocks` for how the model is cut into blocks;
             parameters outside every block are held in the compute tier for the whole step).
         loss: ``"cross_entropy"``, ``"mse"``, ``"bce_with_logits"`` or ``fn(output, target)``.
-        optimizer: ``"adamw"``/``"sgd"``, a dict of its fields or an :class:`~edgeadapt.optimizer_config.OptimizerConfig`.
+        optimizer: ``"adamw"``/``"sgd"``, a dict of its fields or an
+            :class:`~edgeadapt.optimizer_config.OptimizerConfig`.
         memory_budget: compute-tier budget (``"64MiB"`` or bytes); ``None``: unlimited.
         offload: ``"host"``, ``"disk"`` or ``None`` (train in memory).
         offload_dir: the disk tier's folder (required for ``"disk"``).
@@ -220,7 +221,8 @@ class Trainer:
             raise TypeError(f"parameters {bad[:4]} are not float32; the trainer keeps float32 master weights "
                             "(convert with model.float())")
         self.param_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-        whole = process_group is not None or any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+        whole = process_group is not None or any(isinstance(m, nn.modules.batchnorm._BatchNorm)
+                                                 for m in model.modules())
         self.max_micro_batches = 1 if whole else max_micro_batches
         self._model = model
         self._graph: Graph | None = None
@@ -371,7 +373,8 @@ class Trainer:
                                          "Lower the learning rate or check the data for extreme values")
             steps.before_backward()
             loss.backward()
-            del loss, outside
+            del loss
+            outside.clear()  # what autograd saved, released with the graph
             steps.after_backward()
         finally:
             steps.end()

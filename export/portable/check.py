@@ -36,7 +36,8 @@ def _torch_eval(module: nn.Module, x: np.ndarray, y: np.ndarray | None, loss: st
         return torch_loss(loss, out, labels).item(), out.numpy()
 
 
-def _check_batch(stage: Path, manifest: Manifest, module: nn.Module, pairs: list[tuple[str, str]], x: np.ndarray, y: np.ndarray | None,
+def _check_batch(stage: Path, manifest: Manifest, module: nn.Module, pairs: list[tuple[str, str]], x: np.ndarray,
+                 y: np.ndarray | None,
                  ref_loss: float, ref_out: np.ndarray, ref_grads: dict, spread: dict, bounds: dict) -> list[Deviation]:
     from ...runtime.features import open_prefix, suffix_inputs
     from ...runtime.portable import PortableBackend

@@ -50,7 +50,8 @@ def test_directory_named_npz_is_reported_as_a_directory(tmp_path):
         load_npz_file(tmp_path / "x.npz")
 
 
-@pytest.mark.parametrize("content", [pickle.dumps({"X": [1, 2]}), b"not an archive", b""], ids=["pickle", "text", "empty"])
+@pytest.mark.parametrize("content", [pickle.dumps({"X": [1, 2]}), b"not an archive", b""],
+                         ids=["pickle", "text", "empty"])
 def test_non_zip_npz_names_the_file_without_pickle_advice(tmp_path, content):
     path = tmp_path / "data.npz"
     path.write_bytes(content)

@@ -91,7 +91,8 @@ def test_a_csv_of_many_columns_loads(tmp_path):
 def test_a_csv_field_over_the_csv_limit_is_a_value_error(tmp_path):
     path = tmp_path / "long.csv"
     path.write_text("subject,label,a\n1,0,1\n1,0,\"" + "9" * 200_000 + "\"\n")
-    with pytest.raises(ValueError, match=r"long\.csv, line 3: not a CSV row of numbers \(field larger than field limit"):
+    with pytest.raises(ValueError,
+                       match=r"long\.csv, line 3: not a CSV row of numbers \(field larger than field limit"):
         load_csv(path, window_length_samples=1)
 
 

@@ -137,7 +137,8 @@ def test_clamp_keeps_clip_and_relu6_gets_torchs_gradient():
     assert np.array_equal(out, want)
     # NaN stays NaN, as in torch: a non-finite input must still give a non-finite loss
     nan_in = np.full((1, 3), np.nan, dtype=np.float32)
-    nan_out = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"input": nan_in})[0]
+    nan_session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    nan_out = nan_session.run(None, {"input": nan_in})[0]
     assert np.isnan(nan_out).all()
 
 
@@ -165,7 +166,8 @@ def _convgrad_overrun(rank: int, group: int, n: int = 3, c: int = 8, length: int
          helper.make_tensor_value_info("W", TensorProto.FLOAT, wshape)],
         [helper.make_tensor_value_info("dX", TensorProto.FLOAT, shape),
          helper.make_tensor_value_info("dW", TensorProto.FLOAT, wshape)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("com.microsoft", 1)])
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(0)
     size = int(np.prod(shape))

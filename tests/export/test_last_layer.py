@@ -81,7 +81,8 @@ def test_two_layers_feeding_the_output_name_the_rule_to_write(tmp_path):
         export_bundle(_TwoHeads(), torch.randn(4, 4, 32), tmp_path / "b")
     assert not (tmp_path / "b").exists()
     # the rule the message names exports
-    manifest = export_bundle(_TwoHeads(), torch.randn(4, 4, 32), tmp_path / "c", policy=UpdatePolicy.parse("right=full"))
+    manifest = export_bundle(_TwoHeads(), torch.randn(4, 4, 32), tmp_path / "c",
+                             policy=UpdatePolicy.parse("right=full"))
     assert _trained(manifest) == {"right.weight", "right.bias"}
 
 

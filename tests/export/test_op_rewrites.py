@@ -150,7 +150,8 @@ def test_gradient_builder_failure_is_refused(tmp_path, monkeypatch):
     """logsumexp without its rewrite: ONNX Runtime's gradient builder emits an invalid node."""
     from edgeadapt.export import op_rewrites
 
-    monkeypatch.setattr(op_rewrites, "_OP_REWRITES", tuple(r for r in op_rewrites._OP_REWRITES if r[0] != "ReduceLogSumExp"))
+    monkeypatch.setattr(op_rewrites, "_OP_REWRITES",
+                        tuple(r for r in op_rewrites._OP_REWRITES if r[0] != "ReduceLogSumExp"))
     _refused(tmp_path, lambda x: torch.logsumexp(x, -1), "ReduceLogSumExp", "cannot build its gradient")
 
 

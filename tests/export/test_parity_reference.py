@@ -59,7 +59,8 @@ LOSS_RTOL = 1e-6
 TRAJECTORY_RTOL = 2e-4
 
 SPARSE = {
-    "cnn": UpdatePolicy(rules=(Rule("blocks.0.conv", "channels", ratio=0.5), Rule("blocks.3.conv", "channels", ratio=0.25),
+    "cnn": UpdatePolicy(rules=(Rule("blocks.0.conv", "channels", ratio=0.5),
+                               Rule("blocks.3.conv", "channels", ratio=0.25),
                                Rule("*.bn", "bias"), Rule("head", "full"))),
     # Not the depthwise convs with a frozen expand conv: ONNX Runtime 1.19.2 gets stem.conv's
     # gradient wrong there (the export self-check refuses it) or aborts.
@@ -117,7 +118,8 @@ class OrtSide:
             if not names:
                 continue
             if e.is_split:
-                both = np.concatenate([self.backend.get_tensor(names["trained"]), self.backend.get_tensor(names["frozen"])])
+                both = np.concatenate([self.backend.get_tensor(names["trained"]),
+                                       self.backend.get_tensor(names["frozen"])])
                 out[e.name] = both[self.backend.get_tensor(names["index"])]
             else:
                 out[e.name] = self.backend.get_tensor(names["value"])

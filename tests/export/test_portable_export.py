@@ -64,7 +64,8 @@ def test_manifest_and_graph_form(both_bundle):
         assert [n for _, n in spec["inputs"]] == [i.name for i in model.graph.input]
         assert [n for _, n in spec["outputs"]] == [o.name for o in model.graph.output]
     train = m.portable["graphs"]["portable_train"]
-    trained = {n for e in m.parameters if e.trainable_numel for n in [e.onnx_names.get("trained", e.onnx_names.get("value"))]}
+    trained = {n for e in m.parameters if e.trainable_numel
+               for n in [e.onnx_names.get("trained", e.onnx_names.get("value"))]}
     assert {r[5:] for r, _ in train["outputs"] if r.startswith("grad:")} == trained
     # every parameter the forward reads is an input, none is baked in
     data_input = onnx.load(both_bundle / m.files["portable_train"])
@@ -86,7 +87,8 @@ def test_ten_adamw_steps_match_torch(both_bundle):
             assert not np.array_equal(params[name], before), name
     # the frozen channels of the split weight, reassembled, are the source model's bits
     e = next(e for e in graphs.manifest.parameters if e.is_split)
-    full = np.concatenate([params[e.onnx_names["trained"]], params[e.onnx_names["frozen"]]])[params[e.onnx_names["index"]]]
+    full = np.concatenate([params[e.onnx_names["trained"]],
+                           params[e.onnx_names["frozen"]]])[params[e.onnx_names["index"]]]
     source = dict(make_cnn().named_parameters())[e.name].detach().numpy()
     mask = np.load(both_bundle / "masks.npz")[e.name]
     assert np.array_equal(full[~mask], source[~mask]) and not np.array_equal(full[mask], source[mask])
@@ -102,7 +104,8 @@ def test_batch_statistics_graphs_match_torch(batch_bundle):
     graphs = PortableGraphs(batch_bundle)
     x, y = _data(BATCH)
     train = graphs.train(graphs.params, x, y)
-    stats = graphs.run("portable_stats", {**{f"param:{n}": v for n, v in graphs.params.items()}, "data": x, "labels": y})
+    stats = graphs.run("portable_stats",
+                       {**{f"param:{n}": v for n, v in graphs.params.items()}, "data": x, "labels": y})
     for r, v in stats.items():
         np.testing.assert_array_equal(v, train[r]) if r.startswith("stat:") else None
 

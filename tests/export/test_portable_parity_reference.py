@@ -23,7 +23,8 @@ from edgeadapt.runtime import Runner
 
 STEPS, BATCH, LR, N_CHANNELS, LENGTH, N_CLASSES = 10, 8, 1e-3, 8, 256, 5
 CHANNELS = {
-    "cnn": UpdatePolicy(rules=(Rule("blocks.0.conv", "channels", ratio=0.5), Rule("blocks.3.conv", "channels", ratio=0.25),
+    "cnn": UpdatePolicy(rules=(Rule("blocks.0.conv", "channels", ratio=0.5),
+                               Rule("blocks.3.conv", "channels", ratio=0.25),
                                Rule("head", "full"))),
     "mobilenet": UpdatePolicy(rules=(Rule("stem.conv", "channels", ratio=0.5),
                                      Rule("blocks.*.project.conv", "channels", ratio=0.25), Rule("head", "full"))),
@@ -53,7 +54,8 @@ def _model(name: str):
 
 def _data(n: int, seed: int):
     rng = np.random.default_rng(seed)
-    return rng.standard_normal((n, N_CHANNELS, LENGTH)).astype(np.float32), rng.integers(0, N_CLASSES, n).astype(np.int64)
+    return (rng.standard_normal((n, N_CHANNELS, LENGTH)).astype(np.float32),
+            rng.integers(0, N_CLASSES, n).astype(np.int64))
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))

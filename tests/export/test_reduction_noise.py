@@ -34,7 +34,8 @@ def _block(c_in: int, c_out: int, k: int, frozen: bool) -> nn.Sequential:
     with torch.no_grad():  # trained-like statistics and affine values
         bn.weight.uniform_(0.5, 1.5), bn.bias.uniform_(-0.5, 0.5)
         bn.running_mean.uniform_(-0.5, 0.5), bn.running_var.uniform_(0.5, 1.5)
-    return nn.Sequential(nn.Conv1d(c_in, c_out, k, padding=k // 2), FrozenBatchNorm(bn) if frozen else bn.eval(), nn.ReLU())
+    return nn.Sequential(nn.Conv1d(c_in, c_out, k, padding=k // 2), FrozenBatchNorm(bn) if frozen else bn.eval(),
+                         nn.ReLU())
 
 
 class ResidualNet(nn.Module):
@@ -42,7 +43,8 @@ class ResidualNet(nn.Module):
 
     def __init__(self, c_in: int, width: int, k: int, frozen: bool = False):
         super().__init__()
-        self.a, self.b, self.c = _block(c_in, width, k, frozen), _block(width, width, k, frozen), _block(width, width, k, frozen)
+        self.a = _block(c_in, width, k, frozen)
+        self.b, self.c = _block(width, width, k, frozen), _block(width, width, k, frozen)
         self.head = nn.Linear(width, 5)
 
     def forward(self, x):
@@ -108,7 +110,8 @@ def _running_order_gradients(model: nn.Module, seen: dict) -> dict[str, np.ndarr
             out[f"{path}.bias"] = _running_sum(dy.transpose(0, 2, 1).reshape(-1, dy.shape[1]))
         elif isinstance(m, (nn.BatchNorm1d, FrozenBatchNorm)):
             xhat = (x - m.running_mean.numpy()[:, None]) / np.sqrt(m.running_var.numpy()[:, None] + m.eps)
-            out[f"{path}.weight"] = _running_sum((dy * xhat.astype(np.float32)).transpose(0, 2, 1).reshape(-1, dy.shape[1]))
+            weighted = (dy * xhat.astype(np.float32)).transpose(0, 2, 1).reshape(-1, dy.shape[1])
+            out[f"{path}.weight"] = _running_sum(weighted)
             out[f"{path}.bias"] = _running_sum(dy.transpose(0, 2, 1).reshape(-1, dy.shape[1]))
         elif isinstance(m, nn.Linear):
             out[f"{path}.weight"] = _running_sum(dy[:, :, None] * x[:, None, :])
@@ -124,7 +127,8 @@ def _sweep(n_cases: int, seed: int, max_batch: int, max_length: int) -> float:
     for case in range(n_cases):
         torch.manual_seed(seed * 1000 + case)
         shape = (int(rng.integers(4, max_batch + 1)), int(rng.integers(2, 9)), int(rng.integers(32, max_length + 1)))
-        model = ResidualNet(shape[1], int(rng.choice([8, 16, 32])), int(rng.choice([3, 5, 7])), frozen=bool(case % 2)).eval()
+        model = ResidualNet(shape[1], int(rng.choice([8, 16, 32])), int(rng.choice([3, 5, 7])),
+                            frozen=bool(case % 2)).eval()
         x = _batch(rng, case, shape)
         g64, bounds, _ = _passes(model, x, torch.float64)
         g32, _, seen = _passes(model, x, torch.float32, record=True)
@@ -137,7 +141,8 @@ def _sweep(n_cases: int, seed: int, max_batch: int, max_length: int) -> float:
         for n in g64:
             ref = float(np.linalg.norm(g64[n]))
             if ref > 0 and not n.startswith("head"):  # the head sums over the batch alone
-                worst = max(worst, float(np.linalg.norm(bounds[n])) / ((n_terms + TERM_ROUNDINGS) * UNIT_ROUNDOFF * ref))
+                scale = (n_terms + TERM_ROUNDINGS) * UNIT_ROUNDOFF * ref
+                worst = max(worst, float(np.linalg.norm(bounds[n])) / scale)
     return worst
 
 
@@ -158,7 +163,8 @@ def test_magnitudes_are_the_sums_of_the_terms_magnitudes(layer):
     x = torch.randn(3, 4, 6, dtype=torch.float64) + 2.0
     bn = nn.BatchNorm1d(4).double()
     with torch.no_grad():
-        bn.weight.uniform_(-1.5, 1.5), bn.bias.uniform_(-0.5, 0.5), bn.running_mean.uniform_(-1, 1), bn.running_var.uniform_(0.5, 2)
+        bn.weight.uniform_(-1.5, 1.5), bn.bias.uniform_(-0.5, 0.5)
+        bn.running_mean.uniform_(-1, 1), bn.running_var.uniform_(0.5, 2)
     if layer.startswith("conv"):
         layer_m = nn.Conv1d(4, 5, 3, stride=2, padding=1).double()
         if layer == "conv-split":
@@ -197,7 +203,8 @@ def test_magnitudes_are_the_sums_of_the_terms_magnitudes(layer):
     for n in names:
         local = n.split(".", 1)[1]
         jac = torch.autograd.functional.jacobian(
-            lambda p, local=local: torch.func.functional_call(layer_m, {local: p}, (x,)).reshape(-1), params[n].detach())
+            lambda p, local=local: torch.func.functional_call(layer_m, {local: p}, (x,)).reshape(-1),
+            params[n].detach())
         terms = (dy[:, None] * jac.reshape(dy.numel(), -1)).abs()
         if layer == "bare":  # decomposed over the batch only: sum_b |sum over the sample's terms|
             want = (dy.reshape(3, -1)[:, :, None] * jac.reshape(3, dy.numel() // 3, -1)).sum(1).abs().sum(0)

@@ -2,7 +2,8 @@
 
 Each case injects one defect into an otherwise correct export of a reference model and expects
 :class:`SelfCheckError` naming what differs: ONNX Runtime's real Clip-gradient difference (ReLU6
-exported without ``onnx_export.py``'s torch-gradient form), an all-zero gradient, and an optimizer step with a learning rate
+exported without ``onnx_export.py``'s torch-gradient form), an all-zero gradient, and an
+optimizer step with a learning rate
 0.1% off. Tolerances are in ``export/selfcheck.py``'s docstring, with the noise they were
 chosen from.
 """
@@ -68,7 +69,8 @@ def test_relu6_as_a_plain_clip_is_caught_on_mobilenet(tmp_path, monkeypatch):
     monkeypatch.setattr(onnx_export, "_torch_gradient_symbolics", contextlib.nullcontext)
     torch.manual_seed(0)
     model = build_model("mobilenet", 8, 5, LENGTH).eval()
-    with pytest.raises(SelfCheckError, match=r"gradient of blocks\.\d\.depthwise\.bn\.bias \(batch \d\): error") as caught:
+    with pytest.raises(SelfCheckError,
+                       match=r"gradient of blocks\.\d\.depthwise\.bn\.bias \(batch \d\): error") as caught:
         export_bundle(model, EXAMPLE, tmp_path / "b", policy=UpdatePolicy.full())
     assert not (tmp_path / "b").exists()
     assert "cosine" in str(caught.value)

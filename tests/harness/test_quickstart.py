@@ -52,7 +52,8 @@ def test_small_quickstart_end_to_end_and_reproducible_in_fresh_processes(tmp_pat
     table = readme_table(first)
     assert table in out
     assert quickstart_command(first["config"]) == "edgeadapt quickstart --small --memory-budget 1KiB"
-    assert "| `--memory-budget 1KiB` (the planner's choice: no plan fits) | infeasible: the smallest plan needs" in table
+    assert ("| `--memory-budget 1KiB` (the planner's choice: no plan fits) | "
+            "infeasible: the smallest plan needs") in table
     assert first["target_subject"] == 3
     assert (tmp_path / "a" / "accuracy.png").stat().st_size > 1000
     assert (tmp_path / "a" / "memory.png").stat().st_size > 1000

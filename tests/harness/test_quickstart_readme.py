@@ -28,7 +28,8 @@ def _script():
 def _row(method: str, after: float, numel: int) -> dict:
     mib = 2**20
     return {"method": method, "policy": method, "feasible": True, "accuracy_before": 0.5, "accuracy_after": after,
-            "trainable_numel": numel, "trained_modules": ["head"], "backend": "portable", "step_peak_bytes": mib, "call_peak_bytes": 2 * mib,
+            "trainable_numel": numel, "trained_modules": ["head"], "backend": "portable",
+            "step_peak_bytes": mib, "call_peak_bytes": 2 * mib,
             "step_peak_anon_bytes": mib // 2, "call_peak_anon_bytes": mib}
 
 

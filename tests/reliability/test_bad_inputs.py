@@ -60,7 +60,8 @@ DATA_CASES = [
     ("NaN", _npz(lambda a: a["X"].__setitem__((3, 2, 1), np.nan)), "NaN/inf values"),
     ("empty", _npz(lambda a: a.update(X=np.zeros((0, TIME_STEPS, N_CHANNELS)), y=np.zeros(0, np.int64),
                                       subject=np.zeros(0, np.int64))), "'X' holds no windows"),
-    ("label out of range", _npz(lambda a: a["y"].__setitem__(0, 7)), r"\(y\) has labels in \[0, 7\] but the model has 3"),
+    ("label out of range", _npz(lambda a: a["y"].__setitem__(0, 7)),
+     r"\(y\) has labels in \[0, 7\] but the model has 3"),
     ("negative label", _npz(lambda a: a["y"].__setitem__(0, -1)), "labels must be class ids >= 0"),
     ("float labels", _npz(lambda a: a.update(y=a["y"].astype(np.float64))), "'y' must hold integers"),
     ("length mismatch", _npz(lambda a: a.update(y=a["y"][:5])), r"'y' must have shape \(12,\)"),
@@ -139,10 +140,13 @@ BUNDLE_CASES = [
     ("schema version", lambda b: _set_manifest(b, lambda m: m.__setitem__("schema_version", 2)), "schema_version 2"),
     ("path outside", lambda b: _set_manifest(b, lambda m: m["files"].__setitem__("masks", "../m.npz")),
      r"files\.masks is '\.\./m\.npz', which is not a plain file name"),
-    ("custom op domain", lambda b: _edit_model(b, "eval_model.onnx", _custom), r"eval_model\.onnx: node .* custom\.ops::"),
-    ("external data", lambda b: _edit_model(b, "training_model.onnx", _external), r"training_model\.onnx: .*'\.\./secret\.bin'"),
+    ("custom op domain", lambda b: _edit_model(b, "eval_model.onnx", _custom),
+     r"eval_model\.onnx: node .* custom\.ops::"),
+    ("external data", lambda b: _edit_model(b, "training_model.onnx", _external),
+     r"training_model\.onnx: .*'\.\./secret\.bin'"),
     ("oversized file", _oversize, r"training_model\.onnx is 1073741824 bytes, far more than this model needs"),
-    ("non-UTF-8 manifest", lambda b: (b / "manifest.json").write_bytes(b"{\"a\": \"\xff\"}"), r"manifest\.json is not UTF-8"),
+    ("non-UTF-8 manifest", lambda b: (b / "manifest.json").write_bytes(b"{\"a\": \"\xff\"}"),
+     r"manifest\.json is not UTF-8"),
     ("edited lr", lambda b: _set_manifest(b, lambda m: m["optimizer"].__setitem__("lr", 0.5)), "edited after export"),
 ]
 
@@ -163,7 +167,8 @@ def test_bad_bundles_on_the_cli_and_from_python(bundle, tmp_path, capsys, damage
 
 @pytest.mark.parametrize("args, match", [
     (["--lr", "nan"], "--lr must be a finite number > 0"), (["--lr", "-1"], "--lr must be a finite number > 0"),
-    (["--lr", "inf"], "--lr must be a finite number > 0"), (["--epochs", "0"], "--epochs and --batch-size must be >= 1"),
+    (["--lr", "inf"], "--lr must be a finite number > 0"),
+    (["--epochs", "0"], "--epochs and --batch-size must be >= 1"),
     (["--sample-rate-hz", "-5"], "--sample-rate-hz must be a positive number"),
 ])
 def test_bad_arguments_on_the_cli(bundle, tmp_path, capsys, args, match):
@@ -180,7 +185,8 @@ def _csv(path, rows_per_subject=64):
     lines = ["subject,label," + ",".join(f"c{i}" for i in range(N_CHANNELS))]
     for s in (1, 2):
         for t in range(rows_per_subject):
-            lines.append(f"{s},{(t // TIME_STEPS) % N_CLASSES}," + ",".join(f"{v:.4f}" for v in rng.standard_normal(N_CHANNELS)))
+            values = ",".join(f"{v:.4f}" for v in rng.standard_normal(N_CHANNELS))
+            lines.append(f"{s},{(t // TIME_STEPS) % N_CLASSES}," + values)
     path.write_text("\n".join(lines) + "\n")
     return path
 

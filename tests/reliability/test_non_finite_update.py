@@ -45,7 +45,8 @@ def test_a_glitch_window_is_refused_before_training_naming_window_and_channel(bu
     X[17, 2, 5] = value
     _windows_npz(tmp_path / "glitch.npz", X, y)
     before = _files(bundle)
-    code = main(["adapt", str(bundle), "--data", str(tmp_path / "glitch.npz"), "--out", str(bundle), "--epochs", "1", *CLI])
+    code = main(["adapt", str(bundle), "--data", str(tmp_path / "glitch.npz"), "--out", str(bundle),
+                 "--epochs", "1", *CLI])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     assert "window 17, channel 2" in err and "above 1.84e+19" in err, err

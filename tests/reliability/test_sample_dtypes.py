@@ -16,7 +16,6 @@ N, TIME, CHANNELS = 12, 16, 4
 
 
 def _npz(path, X=None, signal=None):
-    rng = np.random.default_rng(0)
     if signal is not None:
         n = len(signal)
         np.savez(path, signal=signal, y=(np.arange(n) // 20) % 3, subject=np.ones(n, np.int64))

@@ -88,7 +88,8 @@ def _external(model):
 
 def test_external_data_outside_the_bundle_is_refused(bundle):
     _edit_model(bundle, "training_model.onnx", _external)
-    with pytest.raises(BundleError, match=r"training_model\.onnx: initializer .* keeps its data in '\.\./\.\./etc/passwd'"):
+    with pytest.raises(BundleError,
+                       match=r"training_model\.onnx: initializer .* keeps its data in '\.\./\.\./etc/passwd'"):
         Runner.load(bundle)
 
 
@@ -375,7 +376,8 @@ def test_a_loop_without_trip_count_is_refused(bundle):
          helper.make_tensor_value_info("cond_in", TensorProto.BOOL, [])],
         [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, [])])
     true = helper.make_tensor("always", TensorProto.BOOL, [], [True])
-    _add_nodes(bundle, "eval_model.onnx", [helper.make_node("Loop", ["", "always"], [], name="spin", body=body)], [true])
+    _add_nodes(bundle, "eval_model.onnx", [helper.make_node("Loop", ["", "always"], [], name="spin", body=body)],
+               [true])
     with pytest.raises(BundleError, match=r"eval_model\.onnx: node 'spin' is Loop, control flow, which the exporter "
                                           r"never writes into a eval_model"):
         Runner.load(bundle, backend="ort-training")  # the graphs edited above

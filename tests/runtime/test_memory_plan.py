@@ -4,8 +4,6 @@ BatchNorm statistics, measured peaks."""
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 from helpers import make_cnn, make_data

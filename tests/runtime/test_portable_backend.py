@@ -181,8 +181,8 @@ def test_a_backend_the_bundle_does_not_hold_is_refused(bundle):
         Runner.load(bundle, device="cpu", backend="tensorrt")
 
 
-@pytest.mark.parametrize(("held", "extra"), [("portable", 'pip install "edgeadapt[device]"'),
-                                             ("ort-training", 'pip install "edgeadapt[device-ort-training]"')])
+@pytest.mark.parametrize(("held", "extra"), [("portable", 'pip install ".[device]" in an edgeadapt checkout'),
+                                             ("ort-training", 'pip install ".[device-ort-training]"')])
 def test_an_engine_that_is_not_installed_names_its_extra(monkeypatch, held, extra):
     class _Held:
         plan = None
@@ -213,7 +213,8 @@ def test_auto_runs_a_budgeted_bundle_on_the_engine_its_budget_was_verified_for(m
 
 
 def test_onnxruntime_too_old_for_the_opset_names_the_version(bundle, monkeypatch):
-    with pytest.raises(BundleError, match=r'opset 18, which needs onnxruntime >= 1\.14.*pip install -U "onnxruntime>=1\.14"'):
+    with pytest.raises(BundleError,
+                       match=r'opset 18, which needs onnxruntime >= 1\.14.*pip install -U "onnxruntime>=1\.14"'):
         check_opset_supported(18, "1.13.1")
     check_opset_supported(18, "1.14.0")
     check_opset_supported(21, "1.31.1")

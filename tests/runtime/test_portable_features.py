@@ -85,7 +85,8 @@ def toy_both(tmp_path_factory):
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        export_bundle(model.eval(), torch.from_numpy(_toy_windows(4, seed=9)), out, policy=UpdatePolicy.parse("bias-norm"),
+        export_bundle(model.eval(), torch.from_numpy(_toy_windows(4, seed=9)), out,
+                      policy=UpdatePolicy.parse("bias-norm"),
                       loss="entropy", batchnorm="batch", backend="both")
     finally:
         torch.set_num_threads(before)

@@ -27,7 +27,8 @@ def _reference_transformer():
     return build_model("transformer", 4, 3, 16, patch_size=4, d_model=16, n_heads=2, n_layers=1).eval()
 
 
-MODELS = {"cnn": make_cnn, "transformer": make_transformer, "reference": _reference_transformer, "fusible": make_fusible}
+MODELS = {"cnn": make_cnn, "transformer": make_transformer, "reference": _reference_transformer,
+          "fusible": make_fusible}
 
 
 def _example():

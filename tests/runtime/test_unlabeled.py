@@ -195,7 +195,8 @@ def test_gate_keeps_a_helpful_adaptation(toy_bundle):
     runner = load(toy_bundle)
     # the source model calls every window class 2: two thirds change class, allowed here
     gate = GateSettings(max_changed_fraction=0.8)
-    result = runner.adapt_unlabeled(X, UnlabeledSettings(stats_prior_windows=1.0, prototype_mix=0.0, gate_settings=gate))
+    result = runner.adapt_unlabeled(X, UnlabeledSettings(stats_prior_windows=1.0, prototype_mix=0.0,
+                                                         gate_settings=gate))
     assert result.kept and result.gate.kept and result.stages == ("stats",)
     assert result.n_gate_windows + result.n_adapt_windows == len(X)
     assert accuracy(runner, X, y) > 0.95

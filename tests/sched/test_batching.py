@@ -59,7 +59,8 @@ def _chosen_importance(g, plan, importance) -> float:
     total = 0.0
     for p in plan.trained:
         v = importance.get(p.name, 0.0)
-        v = np.full(g.param(p.name).out_channels, v / g.param(p.name).out_channels) if np.ndim(v) == 0 else np.asarray(v)
+        n_out = g.param(p.name).out_channels
+        v = np.full(n_out, v / n_out) if np.ndim(v) == 0 else np.asarray(v)
         total += float(v[list(p.channels)].sum() if p.channels else v.sum())
     return total
 

@@ -13,7 +13,8 @@ from edgeadapt.sched.cost import PHASES
 from edgeadapt.sched.plan import Mode
 
 COST = CostModel(session_overhead_bytes=100, prefix_session_overhead_bytes=7, per_window_bytes=3, grad_op_bytes=11,
-                 graph_op_bytes=5, channel_weight_factor=2.3, activation_factor=1.3, inference_activation_factor=0.7, rollback_state_factor=1.0,
+                 graph_op_bytes=5, channel_weight_factor=2.3, activation_factor=1.3, inference_activation_factor=0.7,
+                 rollback_state_factor=1.0,
                  optimizer_workspace_factor=0.5)
 
 

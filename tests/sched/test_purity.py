@@ -12,7 +12,8 @@ import edgeadapt.sched
 
 
 def test_sched_imports_no_heavy_library():
-    modules = ["edgeadapt.sched"] + [f"edgeadapt.sched.{m.name}" for m in pkgutil.iter_modules(edgeadapt.sched.__path__)]
+    modules = ["edgeadapt.sched"] + [f"edgeadapt.sched.{m.name}"
+                                     for m in pkgutil.iter_modules(edgeadapt.sched.__path__)]
     # every module file of the package is checked (the list is not empty or partial)
     files = sorted(f"edgeadapt.sched.{p.stem}" for p in Path(edgeadapt.sched.__file__).parent.glob("*.py")
                    if p.stem != "__init__")

@@ -15,7 +15,8 @@ def test_chain_planner_beats_or_matches_sqrt_checkpointing():
     flops = []
     for row, fraction in zip(r["limits"], (0.9, 0.5, 0.0)):
         assert row["fraction"] == fraction
-        assert row["limit_bytes"] == r["min_peak_bytes"] + int(fraction * (r["keep_all_peak_bytes"] - r["min_peak_bytes"]))
+        assert row["limit_bytes"] == r["min_peak_bytes"] + int(fraction * (r["keep_all_peak_bytes"]
+                                                                           - r["min_peak_bytes"]))
         assert row["min_flops_peak_bytes"] <= row["limit_bytes"]
         assert row["min_flops_peak_bytes"] == chain_peak(chain, min_flops_schedule(chain, row["limit_bytes"]))
         assert row["min_flops_recompute_flops"] <= r["min_peak_recompute_flops"]

@@ -85,7 +85,8 @@ def test_checkpoint_of_another_model_or_config_is_refused_naming_the_difference(
     t = Trainer(make_mlp(), optimizer=adamw, offload="host", device="cpu", example_input=x)
     t.step(x, y)
     t.save_checkpoint(tmp_path)
-    with pytest.raises(CheckpointMismatch, match=r"layers\.0\.fc\.weight: checkpoint \[32, 32\], this trainer \[48, 48\]"):
+    with pytest.raises(CheckpointMismatch,
+                       match=r"layers\.0\.fc\.weight: checkpoint \[32, 32\], this trainer \[48, 48\]"):
         Trainer.resume(tmp_path, make_mlp(width=48), optimizer=adamw, offload="host", device="cpu")
     with pytest.raises(CheckpointMismatch, match=r"optimizer\.lr: checkpoint 0\.01, this trainer 0\.5"):
         Trainer.resume(tmp_path, make_mlp(), optimizer={**adamw, "lr": 0.5}, offload="host", device="cpu")

@@ -185,7 +185,8 @@ def test_a_damaged_checkpoint_names_the_file(tmp_path, adamw, damage):
     _saved_run(tmp_path, adamw)
     folder = tmp_path / "ckpt" / "step-00000001"
     target = {"meta not utf-8": folder / "meta.json", "meta not json": folder / "meta.json",
-              "latest not utf-8": tmp_path / "ckpt" / "latest.json", "block truncated": folder / "block-00000.pt"}[damage]
+              "latest not utf-8": tmp_path / "ckpt" / "latest.json",
+              "block truncated": folder / "block-00000.pt"}[damage]
     data = target.read_bytes()
     target.write_bytes({"meta not utf-8": b"\xff\xfe" + data, "meta not json": data[: len(data) // 2],
                         "latest not utf-8": b"\xff" + data, "block truncated": data[: len(data) // 2]}[damage])

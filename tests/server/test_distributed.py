@@ -51,7 +51,8 @@ WORKER = textwrap.dedent("""
     else:
         from edgeadapt.export import OptimizerConfig
         from edgeadapt.server import Trainer
-        trainer = Trainer(model, loss=token_cross_entropy, optimizer=OptimizerConfig("adamw", lr=1e-2, weight_decay=0.01),
+        trainer = Trainer(model, loss=token_cross_entropy,
+                          optimizer=OptimizerConfig("adamw", lr=1e-2, weight_decay=0.01),
                           memory_budget="2MiB", offload=None if engine == "memory" else engine,
                           offload_dir=out + f".state{ctx.rank}", recompute="auto",
                           device="cpu", process_group=dist.group.WORLD if ctx.is_distributed else None,

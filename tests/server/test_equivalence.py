@@ -50,7 +50,8 @@ def test_tracked_peak_stays_under_the_budget_and_blocks_are_released(offload, ad
     assert 0 < t.tracked_peak_bytes <= budget
     r = t.residency()
     assert set(r["blocks"].values()) == {"offloaded"}
-    assert r["tiers"][offload] >= 3 * 4 * sum(t.param_shapes[n][0] * (t.param_shapes[n][1] if len(t.param_shapes[n]) > 1 else 1)
+    assert r["tiers"][offload] >= 3 * 4 * sum(t.param_shapes[n][0]
+                                              * (t.param_shapes[n][1] if len(t.param_shapes[n]) > 1 else 1)
                                               for n in t.param_shapes)
     # between steps only buffers are held in the compute tier
     assert r["tiers"]["compute"] == t.buffer_bytes
