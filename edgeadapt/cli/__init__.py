@@ -41,7 +41,8 @@ def _missing_extra(args: argparse.Namespace, error: ModuleNotFoundError) -> str 
     if extra is None or missing not in EXTRA_PACKAGES[extra]:
         return None
     return (f"edgeadapt {args.command} needs {missing}, which is not installed here; install the "
-            f"{extra} extra: pip install \".[{extra}]\" in an edgeadapt checkout (a device install has only the runtime)")
+            f"{extra} extra: pip install \".[{extra}]\" in an edgeadapt checkout "
+            "(a device install has only the runtime)")
 
 
 def main(argv: list[str] | None = None) -> int:
