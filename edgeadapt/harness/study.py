@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from .adapt_job import AdaptJobSpec, run_job_in_subprocess
-from .label_free import UNLABELED_METHOD_SETTINGS
+from .label_free_settings import UNLABELED_METHOD_SETTINGS
 from ..datasets import ChannelNormalizer, WindowDataset, few_shot_split
 
 __all__ = ["Method", "METHODS", "ALL_METHODS", "LABEL_FREE", "FIXED_LR", "LR_GRID", "PRETRAIN_THREADS",
