@@ -333,18 +333,29 @@ def _check_once(stage: Path, manifest: Manifest, pairs: list[tuple[str, str]], x
     from ..runtime.features import open_prefix, suffix_inputs
 
     backend = OrtTrainingBackend(stage, manifest, device="cpu")
-    suffix = f" (batch {len(x)})"
     # With a prefix model the training graph takes its features: the whole chain is compared.
-    loss, out = backend.train_step(suffix_inputs(open_prefix(stage, manifest), x, len(x)), y)
+    features = suffix_inputs(open_prefix(stage, manifest), x, len(x))
+    return compare_training_step(backend, manifest, pairs, features, y, ref_loss, ref_out, ref_grads, spread, bounds,
+                                 f" (batch {len(x)})")
+
+
+def compare_training_step(backend, manifest: Manifest, pairs: list[tuple[str, str]], features: np.ndarray,
+                          y: np.ndarray | None, ref_loss: float, ref_out: np.ndarray,
+                          ref_grads: dict[str, np.ndarray], spread: dict[str, float],
+                          bounds: dict[str, np.ndarray], suffix: str) -> list[Deviation]:
+    """One training step of ``backend`` (a :class:`~edgeadapt.runtime.backend.TrainingBackend`)
+    against the torch reference: loss, output, every trained gradient (``pairs``: backend name,
+    torch name), then one optimizer step against torch's update of the same gradients."""
+    loss, out = backend.train_step(features, y)
     checks = [compare_tensor(f"loss{suffix}", np.array(loss), np.array(ref_loss), LOSS_RTOL, LOSS_ATOL),
               compare_tensor(f"output{suffix}", out, ref_out, OUTPUT_RTOL, LOSS_ATOL)]
-    ort_grads = {g: backend.get_gradient(g) for g, _ in pairs}
-    checks += compare_gradients(ort_grads, {g: ref_grads[t] for g, t in pairs}, {g: bounds[t] for g, t in pairs},
+    grads = {g: backend.get_gradient(g) for g, _ in pairs}
+    checks += compare_gradients(grads, {g: ref_grads[t] for g, t in pairs}, {g: bounds[t] for g, t in pairs},
                                 suffix, spread={g: spread[t] for g, t in pairs})
     before = {g: backend.get_tensor(g) for g, _ in pairs}
     backend.apply_update(float(manifest.optimizer["lr"]))
     after = {g: backend.get_tensor(g) for g, _ in pairs}
-    checks += compare_step(before, after, torch_optimizer_step(before, ort_grads, manifest.optimizer), suffix)
+    checks += compare_step(before, after, torch_optimizer_step(before, grads, manifest.optimizer), suffix)
     return checks
 
 

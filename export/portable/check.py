@@ -18,7 +18,7 @@ from torch import nn
 from ...bundle import Manifest, ParameterEntry
 from ..objectives import torch_loss
 from ..selfcheck import (LOSS_ATOL, LOSS_RTOL, OUTPUT_RTOL, STEP_RTOL, Deviation, SelfCheckError, _labels,
-                         _torch_reference, compare_gradients, compare_step, compare_tensor, torch_optimizer_step)
+                         _torch_reference, compare_tensor, compare_training_step)
 
 __all__ = ["check_portable"]
 
@@ -49,16 +49,8 @@ def _check_batch(stage: Path, manifest: Manifest, module: nn.Module, pairs: list
     loss, out = backend.forward(features, y)
     checks = [compare_tensor(f"eval loss{suffix}", np.array(loss), np.array(eval_loss), LOSS_RTOL, LOSS_ATOL),
               compare_tensor(f"eval output{suffix}", out, eval_out, OUTPUT_RTOL, LOSS_ATOL)]
-    loss, out = backend.train_step(features, y)
-    checks += [compare_tensor(f"loss{suffix}", np.array(loss), np.array(ref_loss), LOSS_RTOL, LOSS_ATOL),
-               compare_tensor(f"output{suffix}", out, ref_out, OUTPUT_RTOL, LOSS_ATOL)]
-    grads = {g: backend.get_gradient(g) for g, _ in pairs}
-    checks += compare_gradients(grads, {g: ref_grads[t] for g, t in pairs}, {g: bounds[t] for g, t in pairs},
-                                suffix, spread={g: spread[t] for g, t in pairs})
-    before = {g: backend.get_tensor(g) for g, _ in pairs}
-    backend.apply_update(float(manifest.optimizer["lr"]))
-    after = {g: backend.get_tensor(g) for g, _ in pairs}
-    checks += compare_step(before, after, torch_optimizer_step(before, grads, manifest.optimizer), suffix)
+    checks += compare_training_step(backend, manifest, pairs, features, y, ref_loss, ref_out, ref_grads, spread,
+                                    bounds, suffix)
     backend.close()
     return checks
 
