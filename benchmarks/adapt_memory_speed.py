@@ -74,7 +74,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from edgeadapt.versions import host_info  # noqa: E402  (stdlib only: safe before the torch blocker)
+from edgeadapt.versions import cpu_jiffies, host_info  # noqa: E402  (stdlib only: safe before the torch blocker)
 
 log = logging.getLogger("adapt_memory_speed")
 
@@ -135,17 +135,6 @@ def _measured_step(step, x, y) -> tuple[float, dict[str, int], int]:
     with AnonPeakSampler(ANON_INTERVAL_S) as sampler:
         loss = step(x, y)
     return loss, _status_bytes(), sampler.peak_bytes
-
-
-def _cpu_jiffies() -> tuple[int, int]:
-    """(busy jiffies of the whole machine, jiffies this process used), from /proc."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    # user nice system idle iowait irq softirq steal [guest guest_nice, already in user/nice]
-    busy = v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)
-    with open("/proc/self/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return busy, int(fields[11]) + int(fields[12])  # utime + stime, all threads
 
 
 def _worker_import(spec: dict) -> dict:
@@ -234,7 +223,7 @@ def _worker_step(spec: dict) -> dict:
     rss_before_steady = _status_bytes()["VmRSS"]
     _, after_steady, steady_anon = _measured_step(step, x, y)
     times: list[float] = []
-    busy0, own0 = _cpu_jiffies()
+    busy0, own0 = cpu_jiffies()
     t_loop = time.perf_counter()
     while len(times) < spec["steps"] or sum(times) < spec["min_time_s"]:
         t0 = time.perf_counter()
@@ -243,7 +232,7 @@ def _worker_step(spec: dict) -> dict:
         if len(times) == spec["steps"]:
             fixed_loss = loss  # same step count for both engines, comparable across them
     wall_s = time.perf_counter() - t_loop
-    busy1, own1 = _cpu_jiffies()
+    busy1, own1 = cpu_jiffies()
     # CPU that other processes took while we timed, as a share of all CPUs: > ~0.1 means the
     # machine was not ours and the step times are inflated (OpenMP spin-waits make torch suffer
     # most: 2 threads on 2 busy cores can run 10-30x slower).

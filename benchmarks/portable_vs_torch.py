@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from edgeadapt.versions import host_info  # noqa: E402  (stdlib only)
+from edgeadapt.versions import cpu_jiffies, host_info  # noqa: E402  (stdlib only)
 
 log = logging.getLogger("portable_vs_torch")
 
@@ -86,16 +86,6 @@ POLICIES = ("full", "channels", "last_layer")
 
 
 # ---- worker side ----------------------------------------------------------------------------
-
-
-def _cpu_jiffies() -> tuple[int, int]:
-    """(busy jiffies of the machine, jiffies this process used)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    busy = v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)
-    with open("/proc/self/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return busy, int(fields[11]) + int(fields[12])
 
 
 def _runner_step(spec: dict):
@@ -156,14 +146,14 @@ def worker_step(spec: dict) -> dict:
     step = _torch_step(spec) if spec["engine"] == "torch" else _runner_step(spec)
     losses = [step(x, y) for _ in range(spec["warmup"])]
     times: list[float] = []
-    busy0, own0 = _cpu_jiffies()
+    busy0, own0 = cpu_jiffies()
     t_loop = time.perf_counter()
     while len(times) < spec["steps"] or sum(times) < spec["min_time_s"]:
         t0 = time.perf_counter()
         losses.append(step(x, y))
         times.append(time.perf_counter() - t0)
     wall_s = time.perf_counter() - t_loop
-    busy1, own1 = _cpu_jiffies()
+    busy1, own1 = cpu_jiffies()
     foreign = max(0.0, (busy1 - busy0) - (own1 - own0)) / os.sysconf("SC_CLK_TCK") / (wall_s * os.cpu_count())
     return {"median_step_s": statistics.median(times), "steps": len(times), "foreign_cpu_share": foreign,
             "first_loss": losses[0], "loss_after_warmup": losses[spec["warmup"]]}

@@ -13,7 +13,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-__all__ = ["package_versions", "cpu_info", "host_info", "code_version", "KERNEL_ISA_FLAGS"]
+__all__ = ["package_versions", "cpu_info", "host_info", "code_version", "KERNEL_ISA_FLAGS", "cpu_jiffies"]
 
 # /proc/cpuinfo flags that select different compute kernels in torch (ATen) and ONNX Runtime
 # (MLAS): a figure can move when they differ between machines.
@@ -106,3 +106,15 @@ def code_version(repo: str | Path | None = None) -> dict:
     return {"commit": git("rev-parse", "HEAD"),
             "modified_files": None if status is None else [line[3:] for line in status.splitlines()],
             "edgeadapt_path": str(Path(__file__).resolve().parent)}
+
+
+def cpu_jiffies() -> tuple[int, int]:
+    """(busy jiffies of the whole machine, jiffies this process used), from ``/proc`` (Linux):
+    sampled before and after a timed span, they tell how contended the machine was."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    # user nice system idle iowait irq softirq steal [guest guest_nice, already in user/nice]
+    busy = v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return busy, int(fields[11]) + int(fields[12])  # utime + stime, all threads
