@@ -19,12 +19,14 @@ class MLPBlock(nn.Module):
 
 
 class MLPStack(nn.Module):
-    """An input projection, ``depth`` residual MLP blocks in a ModuleList, a layer norm and a head."""
+    """An input projection, ``depth`` residual blocks in a ModuleList (``block(width)`` each;
+    default :class:`MLPBlock`), a layer norm and a head."""
 
-    def __init__(self, d_in: int = 12, width: int = 32, depth: int = 4, n_classes: int = 5):
+    def __init__(self, d_in: int = 12, width: int = 32, depth: int = 4, n_classes: int = 5, block=None):
         super().__init__()
+        block = block or MLPBlock
         self.proj = nn.Linear(d_in, width)
-        self.layers = nn.ModuleList(MLPBlock(width) for _ in range(depth))
+        self.layers = nn.ModuleList(block(width) for _ in range(depth))
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, n_classes)
 

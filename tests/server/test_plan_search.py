@@ -9,12 +9,13 @@ and within a tolerance derived from the summation order against the full batch.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
 import pytest
 import torch
-from server_helpers import reference_train
+from server_helpers import MLPStack, reference_train
 from torch import nn
 
 from edgeadapt.sched import Graph, NoFeasiblePlan, Op, Param
@@ -37,24 +38,10 @@ class PreNormBlock(nn.Module):
         return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
 
 
-class PreNormMLP(nn.Module):
-    def __init__(self, d_in=24, width=64, hidden=256, depth=16, n_classes=7):
-        super().__init__()
-        self.proj = nn.Linear(d_in, width)
-        self.layers = nn.ModuleList(PreNormBlock(width, hidden) for _ in range(depth))
-        self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, n_classes)
-
-    def forward(self, x):
-        x = self.proj(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(self.norm(x))
-
-
-def make_prenorm(seed: int = 0) -> PreNormMLP:
+def make_prenorm(seed: int = 0) -> MLPStack:
+    """16 pre-norm residual MLP blocks behind a projection, then a layer norm and a head."""
     torch.manual_seed(seed)
-    return PreNormMLP()
+    return MLPStack(d_in=24, width=64, depth=16, n_classes=7, block=functools.partial(PreNormBlock, hidden=256))
 
 
 def prenorm_batches(n: int, batch: int = 32, seed: int = 1):
