@@ -34,7 +34,7 @@ import numpy as np
 from .bundle import (CONTRACT_KEY, PORTABLE_GRAPH_ROLES, BundleError, Manifest, check_member_name, contract_digest,
                      file_size_limits, member_path)
 from .npz import read_arrays
-from .op_allowlist import check_ops
+from .op_allowlist import check_ops, subgraphs
 
 __all__ = [
     "ALLOWED_DOMAINS",
@@ -81,7 +81,7 @@ def _check_strings(path: Path, model) -> None:
     try:
         texts = [model.producer_name, model.domain, *(o.domain for o in model.opset_import),
                  *(x for p in model.metadata_props for x in (p.key, p.value))]
-        for graph in _subgraphs(model.graph):
+        for graph in subgraphs(model.graph):
             texts.append(graph.name)
             for v in (*graph.input, *graph.output, *graph.value_info):
                 texts += [v.name, *(d.dim_param for d in v.type.tensor_type.shape.dim)]
@@ -120,16 +120,6 @@ def _check_wiring(path: Path, graph, outer: frozenset[str] = frozenset()) -> Non
     for v in graph.output:
         if v.name not in produced:
             raise BundleError(f"{path}: graph output {v.name!r} is produced by no node; the model is damaged")
-
-
-def _subgraphs(graph) -> Iterator:
-    yield graph
-    for node in graph.node:
-        for attr in node.attribute:
-            if attr.HasField("g"):
-                yield from _subgraphs(attr.g)
-            for g in attr.graphs:
-                yield from _subgraphs(g)
 
 
 def _tensors(graph) -> Iterator[tuple[str, object]]:
@@ -177,7 +167,7 @@ def check_onnx_file(bundle_dir: str | Path, name: str, checksummed: set[str] | f
             f"{path}: defines local functions ({', '.join(f.name for f in model.functions)[:200]}); "
             "the exporter never writes them"
         )
-    for graph in _subgraphs(model.graph):
+    for graph in subgraphs(model.graph):
         for where, tensor in _tensors(graph):
             if tensor.data_location != 1:  # TensorProto.EXTERNAL
                 continue

@@ -42,6 +42,7 @@ __all__ = [
     "MAX_SHAPE_FACTOR",
     "check_ops",
     "op_key",
+    "subgraphs",
 ]
 
 #: Ops that repeat or branch over subgraphs (or sequences): never in an exported graph.
@@ -226,14 +227,15 @@ def _size_problem(node, sizes: _Sizes) -> str | None:
     return None
 
 
-def _graphs(graph) -> Iterable:
+def subgraphs(graph) -> Iterable:
+    """``graph`` and every graph nested in its nodes' attributes, depth first."""
     yield graph
     for node in graph.node:
         for attr in node.attribute:
             if attr.HasField("g"):
-                yield from _graphs(attr.g)
+                yield from subgraphs(attr.g)
             for g in attr.graphs:
-                yield from _graphs(g)
+                yield from subgraphs(g)
 
 
 def check_ops(model, role: str, where: str = "") -> None:
@@ -252,7 +254,7 @@ def check_ops(model, role: str, where: str = "") -> None:
     allowed = ALLOWED_OPS.get(role)
     if allowed is None:
         raise BundleError(f"{where}: no ops are allowed for a model of role {role!r} (known: {sorted(ALLOWED_OPS)})")
-    for graph in _graphs(model.graph):
+    for graph in subgraphs(model.graph):
         for node in graph.node:
             key = op_key(node)
             if key not in allowed:
