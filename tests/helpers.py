@@ -217,3 +217,19 @@ def strip_plan(src: Path, dst: Path) -> None:
         onnx.save(model, path)
         raw["sha256"][raw["files"][role]] = sha256_file(path)
     (dst / "manifest.json").write_text(json.dumps(raw))
+
+
+def sigint_at_train_step(monkeypatch, runner, n: int) -> None:
+    """Make ``runner``'s ``n``-th backend ``train_step`` raise SIGINT in this process first (as a
+    Ctrl-C arriving during that step), then run the step."""
+    import signal
+
+    real, calls = runner._backend.train_step, []
+
+    def train_step(x, y):
+        calls.append(1)
+        if len(calls) == n:
+            signal.raise_signal(signal.SIGINT)
+        return real(x, y)
+
+    monkeypatch.setattr(runner._backend, "train_step", train_step)

@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import make_data, run_python
+from helpers import make_data, run_python, sigint_at_train_step
 
 from edgeadapt.bundle import sha256_file
 from edgeadapt.cli import main
@@ -111,15 +111,7 @@ def test_ctrl_c_from_python_raises_adapt_interrupted_at_the_epoch_start(cnn_bund
     runner = Runner.load(cnn_bundle, device="cpu")
     twin = Runner.load(cnn_bundle, device="cpu")
     twin.adapt(X, y, epochs=1, batch_size=BATCH, progress=False)
-    real, calls = runner._backend.train_step, []
-
-    def train_step(x, yy):
-        calls.append(1)
-        if len(calls) == 5:
-            signal.raise_signal(signal.SIGINT)
-        return real(x, yy)
-
-    monkeypatch.setattr(runner._backend, "train_step", train_step)
+    sigint_at_train_step(monkeypatch, runner, 5)
     with pytest.raises(KeyboardInterrupt, match="end of epoch 1 .step 3.") as e:
         runner.adapt(X, y, epochs=3, batch_size=BATCH, progress=False)
     assert isinstance(e.value, AdaptInterrupted) and e.value.epochs_done == 1 and (runner.step, runner.epoch) == (3, 1)

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import logging
 import shutil
-import signal
 from dataclasses import replace
 
 import numpy as np
 import onnx
 import pytest
 import torch
-from helpers import make_cnn, make_data
+from helpers import make_cnn, make_data, sigint_at_train_step
 from onnx import numpy_helper
 from portable_parity import PortableGraphs, TorchReference, grad_deviations
 
@@ -197,15 +196,7 @@ def test_ctrl_c_stops_at_the_last_completed_epoch(cnn_both, monkeypatch):
     twin = _load(cnn_both)
     twin.adapt(X, y, epochs=1, batch_size=4, progress=False)
     runner = _load(cnn_both)
-    real, calls = runner._backend.train_step, []
-
-    def train_step(x, yy):
-        calls.append(1)
-        if len(calls) == 5:
-            signal.raise_signal(signal.SIGINT)
-        return real(x, yy)
-
-    monkeypatch.setattr(runner._backend, "train_step", train_step)
+    sigint_at_train_step(monkeypatch, runner, 5)
     with pytest.raises(AdaptInterrupted):
         runner.adapt(X, y, epochs=3, batch_size=4, progress=False)
     assert (runner.step, runner.epoch) == (3, 1)
