@@ -183,7 +183,9 @@ def staged_directory(target: str | os.PathLike) -> Iterator[Path]:
         shutil.rmtree(stage, ignore_errors=True)
         raise
     # The marker leaves only after the rename: a staging directory killed at any point before it
-    # still carries it (or is empty), so the next save of this target removes it.
+    # still carries it (or is empty), so the next save of this target removes it. A writer killed
+    # between the rename and this unlink leaves the marker in the finished target; the bundle's
+    # next save removes it with its other orphans (edgeadapt.bundle.sweep_orphans).
     with contextlib.suppress(FileNotFoundError):
         (target / STAGE_MARKER).unlink()
     _fsync_path(target.parent)

@@ -41,7 +41,7 @@ from typing import Any
 
 import jsonschema
 
-from .atomic import atomic_write_json, directory_lock, sweep_stale_stages
+from .atomic import STAGE_MARKER, atomic_write_json, directory_lock, sweep_stale_stages
 
 log = logging.getLogger(__name__)
 
@@ -734,11 +734,14 @@ def contract_digest(manifest: Manifest) -> str:
 
 
 # Files a save writes besides the manifest's members: checkpoints, portable states, the temp
-# files of edgeadapt.atomic (".<name>.<random>.tmp"), and the graphs of a backend a save dropped.
+# files of edgeadapt.atomic (".<name>.<random>.tmp"), the graphs of a backend a save dropped, and
+# the staging marker (a save into a new folder killed between the rename into place and the
+# marker's removal leaves it in the finished bundle).
 _STATE_FILE = r"(checkpoint|portable_state)(-\d+-[0-9a-f]+)?(\.npz)?"
 _ORPHAN_FILE = re.compile(
     rf"{_STATE_FILE}|\.({_STATE_FILE}|manifest\.json)\.\w+\.tmp"
-    r"|(training|eval|optimizer)_model\.onnx|portable_(train|eval|stats|optimizer)\.onnx")
+    r"|(training|eval|optimizer)_model\.onnx|portable_(train|eval|stats|optimizer)\.onnx"
+    rf"|{re.escape(STAGE_MARKER)}")
 
 
 def sweep_orphans(bundle_dir: str | os.PathLike, manifest: Manifest) -> list[str]:
