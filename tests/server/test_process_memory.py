@@ -4,9 +4,13 @@ The ledger tracks every tensor the executor holds (weights, gradients, staged op
 and one update temporary, saved activations, block outputs). What it does not see are
 transients inside one op or block (an intermediate freed before the block returns) and the
 allocator's slack, so the anonymous-memory peak over the model-loaded baseline is allowed 25%
-over the budget, in the first step and in later ones; the tracked peak itself must stay under
-the budget. (Without the trainer's fixed malloc mmap threshold, ``edgeadapt.server.allocator``,
-the first step alone left glibc's heap arenas holding 2-3x the budget.)
+over the budget, in the first step and in later ones (both over the one baseline taken before
+the first step: what the first step leaves in the heap counts against the later ones); the
+tracked peak itself must stay under the budget. Part of what the ledger cannot see is a fixed
+cost of about 1-2 MB (worker threads' stacks and heaps, torch's lazily built per-op state), so the
+model is sized for a budget of about 25 MB, where that is a few percent and not a quarter.
+(Without the trainer's fixed malloc mmap threshold, ``edgeadapt.server.allocator``, the first
+step alone left glibc's heap arenas holding 2-3x the budget.)
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from edgeadapt.server import Trainer
 
 g = torch.Generator().manual_seed(0)
 data = [(torch.randn(32, 12, generator=g), torch.randint(0, 5, (32,), generator=g)) for _ in range(4)]
-model = make_mlp(width=512, depth=12)
+model = make_mlp(width=1024, depth=12)
 state = 16 * sum(p.numel() for p in model.parameters())  # weights, gradients, two AdamW moments
 budget = state // 8
 t = Trainer(model, memory_budget=budget, offload="disk", offload_dir=tempfile.mkdtemp(), device="cpu",
@@ -39,13 +43,15 @@ with measure_peak(anon_interval_s=0.0005) as first:  # the first step too (torch
 with measure_peak(anon_interval_s=0.0005) as pk:
     for x, y in data[1:]:
         t.step(x, y)
+base = first.anon_baseline_bytes
 print(json.dumps({{"state": state, "budget": budget, "tracked": t.tracked_peak_bytes,
-                  "anon_first": first.anon_delta_bytes, "anon": pk.anon_delta_bytes, "samples": pk.anon_samples}}))
+                  "anon_first": first.anon_peak_bytes - base, "anon": pk.anon_peak_bytes - base,
+                  "samples": pk.anon_samples}}))
 t.close()
 """
 
 
-@pytest.mark.slow  # ~25 s: a fresh interpreter importing torch
+@pytest.mark.slow  # ~15 s: a fresh interpreter importing torch
 def test_disk_tier_process_peak_agrees_with_the_tracked_peak():
     r = run_python(SCRIPT.format(tests=str(REPO / "tests")), timeout_s=600)
     assert r.returncode == 0, r.stderr
