@@ -23,9 +23,9 @@ from ..atomic import staged_directory
 from ..bundle import Manifest, TensorSpec, sha256_file, write_manifest
 from ..onnx_guard import stamp_contract
 from ..progress import Stages
-from ..sched import predict, verify
+from ..sched import refit
 from ..sched.ir import Graph
-from ..sched.plan import Action, Plan
+from ..sched.plan import Plan
 from ..sched.policy import UpdatePolicy
 from ..sched.resolve import resolve_last_layer
 from ..units import parse_bytes
@@ -114,15 +114,6 @@ def _generate(model_proto: onnx.ModelProto, entries, loss: str, opt: OptimizerCo
         raise unsupported from None
 
 
-def _keep(graph: Graph, plan: Plan, ops: set[str]) -> Plan:
-    """``plan`` with the saved tensors of ``ops`` kept instead of recomputed, its peak predicted
-    again (unchanged when ``ops`` is empty)."""
-    if not ops:
-        return plan
-    plan = replace(plan, activations=tuple((n, Action.KEEP if n in ops else a) for n, a in plan.activations))
-    return replace(plan, predicted=predict(graph, plan))
-
-
 def _last_layer_without_graph(model: nn.Module, policy: UpdatePolicy) -> UpdatePolicy:
     """The last-layer rule where the model's graph IR (which finds the last layer) cannot be
     built: the module named ``head`` if there is one, else an error naming the rule to write."""
@@ -132,12 +123,6 @@ def _last_layer_without_graph(model: nn.Module, policy: UpdatePolicy) -> UpdateP
         return policy.with_last_layer("head")
     raise ValueError("the last-layer policy finds the model's last layer in its graph IR, which cannot be built "
                      "for this model; name the layer to train, e.g. --policy 'classifier=full'")
-
-
-def _verify_budget(graph: Graph, plan: Plan) -> None:
-    """Raise :class:`edgeadapt.sched.BudgetExceeded` when ``plan`` does not fit its budget."""
-    if plan.budget_bytes is not None:
-        verify(graph, plan, plan.budget_bytes)
 
 
 def _bake_recompute(training_path: Path, model_proto: onnx.ModelProto, graph: Graph,
@@ -150,11 +135,12 @@ def _bake_recompute(training_path: Path, model_proto: onnx.ModelProto, graph: Gr
 
     Returns:
         The plan carried out and the rebuilt tensors. An op whose tensors cannot be rebuilt (it
-        would run a node twice that updates state or draws random numbers) is kept instead, with
-        a warning; the plan is then predicted again and verified against its budget.
+        would run a node twice that updates state or draws random numbers) keeps them instead,
+        with a warning: the planner plans again with those ops kept (:func:`edgeadapt.sched.refit`),
+        which may recompute other ops or take a smaller micro-batch.
 
     Raises:
-        edgeadapt.sched.BudgetExceeded: keeping such an op breaks the plan's budget.
+        edgeadapt.sched.NoFeasiblePlan: no plan that keeps those ops fits the budget.
     """
     from .recompute import recompute_tensors, saved_tensors_by_op, unrecomputable
 
@@ -162,11 +148,12 @@ def _bake_recompute(training_path: Path, model_proto: onnx.ModelProto, graph: Gr
     tensor_ops = {t: op for op, nodes in node_groups(model_proto, graph).items() for n in nodes for t in n.output if t}
     order = [op.name for op in graph.ops]
     saved = saved_tensors_by_op(model, tensor_ops, order)
-    recomputed = set(plan.recomputed)
-    for name in sorted(recomputed - saved.keys(), key=order.index):
+    for name in sorted(set(plan.recomputed) - saved.keys(), key=order.index):
         log.info("recompute: %s keeps nothing in the training graph (its saved tensors are graph inputs or "
                  "internal to a node ONNX Runtime fused); nothing to rebuild", name)
+    kept: set[str] = set()
     while True:
+        recomputed = set(plan.recomputed)
         runs: list[list[str]] = [[]]
         for op in graph.ops:  # a kept op with saved tensors ends a run
             if op.name in saved:
@@ -178,12 +165,10 @@ def _bake_recompute(training_path: Path, model_proto: onnx.ModelProto, graph: Gr
         if not blocked:
             break
         owners = {op for op, tensors in saved.items() if blocked.keys() & set(tensors)}
-        log.warning("recompute: keeping %s: rebuilding %s would run %s twice (state update or random draw)",
-                    sorted(owners), sorted(blocked), sorted(set(blocked.values())))
-        recomputed -= owners
-    if recomputed != set(plan.recomputed):
-        plan = _keep(graph, plan, set(plan.recomputed) - recomputed)
-        _verify_budget(graph, plan)
+        log.warning("recompute: keeping %s: rebuilding %s would run %s twice (state update or random draw); "
+                    "planning again with them kept", sorted(owners), sorted(blocked), sorted(set(blocked.values())))
+        kept |= owners
+        plan = refit(graph, plan, keep_activations=kept)
     done = recompute_tensors(model, runs)
     if done:
         onnx.save(model, training_path)
@@ -297,8 +282,8 @@ def export_bundle(
             onnxruntime.training is installed, portable alone where not (nothing from
             onnxruntime.training is imported then). The portable graphs keep every activation
             the backward reads: a plan's recompute is carried out by the ort-training graphs only
-            (``manifest.portable["recompute"]`` is false); a portable-only export keeps the
-            plan's recomputed activations instead and verifies the budget again.
+            (``manifest.portable["recompute"]`` is false), and a portable-only export is planned
+            without recompute.
         progress: show the export's stages (:data:`EXPORT_STAGES`) as a tqdm bar on stderr; each
             stage's time is logged at INFO either way.
 
@@ -312,7 +297,10 @@ def export_bundle(
     recomputed activations are rebuilt in the training graph's backward (:mod:`.recompute`);
     where ONNX Runtime cannot carry that out (a rebuild would rerun a state update, or its
     training step with the rebuilt tensors stops reproducing torch), those activations are kept,
-    with a warning, and the plan is verified against the budget again.
+    with a warning, and the planner plans again under that constraint
+    (:func:`edgeadapt.sched.refit`: another micro-batch or other recomputed ops may fit the
+    budget). The exporter never edits a plan: every plan it records was made and verified by
+    :mod:`edgeadapt.sched`.
 
     Raises:
         UnsupportedOpError: an op cannot be exported or differentiated (names op and module).
@@ -351,6 +339,8 @@ def _export(model: nn.Module, example_input: torch.Tensor, out_dir: str | Path, 
         raise ValueError("the model must return a single tensor (logits or regression output)")
     label = _label_spec(loss, tuple(reference.shape))
 
+    # Only the ort-training graphs rebuild activations: a portable-only bundle is planned without recompute.
+    recompute = recompute and "ort-training" in backends
     planned = plan_export(model, example_input, policy=given_policy, budget_bytes=budget_bytes, batchnorm=batchnorm,
                           optimizer=opt.name, n_windows=n_windows, batch_windows=batch_windows, importance=importance,
                           cache_features=cache_features, loss=loss, recompute=recompute, on_stage=stages.start)
@@ -373,14 +363,10 @@ def _export(model: nn.Module, example_input: torch.Tensor, out_dir: str | Path, 
 
     stages.start(EXPORT_STAGES[2])
     model_proto, entries = to_onnx(prepared.module, example_input, prepared.entries, INPUT_NAME, OUTPUT_NAME)
-    split, plan = (None, None) if plan is None else cut_model(model_proto, graph, plan, entries, batchnorm)
+    split, plan = (None, None) if plan is None else cut_model(model_proto, graph, plan, entries, batchnorm,
+                                                              allow_remat=recompute)
     onnxruntime.set_default_logger_severity(3)
     stages.start(EXPORT_STAGES[3])
-    if "ort-training" not in backends and plan is not None and plan.recomputed:
-        # the portable graphs keep every activation the backward reads
-        log.info("recompute: the portable graphs keep the saved activations of %s", list(plan.recomputed))
-        plan = _keep(graph, plan, set(plan.recomputed))
-        _verify_budget(graph, plan)
     with staged_directory(out_dir) as stage:
         if split is not None:
             onnx.save(split.prefix, stage / PREFIX_FILE)
@@ -438,12 +424,13 @@ def _export(model: nn.Module, example_input: torch.Tensor, out_dir: str | Path, 
                 # gradient buffer another branch still reads, depending on the execution order). The
                 # graph without the copies is checked first: if it fails too, the model is the cause.
                 training_path.write_bytes(plain_training)
-                plan = _keep(graph, plan, set(plan.recomputed))
                 draft = draft_for(plan, False)
                 session = choose_session(stage, draft, prepared.module, prepared.entries, example_input.numpy())
                 log.warning("recompute: ONNX Runtime's training step with the rebuilt tensors does not reproduce "
-                            "torch, without them it does; exporting without recompute (%s)", str(e).splitlines()[0])
-                _verify_budget(graph, plan)
+                            "torch, without them it does; exporting without recompute, planned again (%s)",
+                            str(e).splitlines()[0])
+                plan = refit(graph, plan, allow_remat=False)
+                draft = draft_for(plan, False)
             manifest = replace(draft, session=session)
         if portable is not None:
             check_portable(stage, manifest, prepared.module, prepared.entries, example_input.numpy())

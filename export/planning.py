@@ -3,10 +3,11 @@
 :func:`plan_export` builds the scheduler's :class:`~edgeadapt.sched.ir.Graph` from the exported
 ONNX model (every parameter a plain tensor, so the IR names each source parameter once), asks
 the planner for a :class:`~edgeadapt.sched.plan.Plan` — resolved from a hand-written policy, or
-chosen for a memory budget — and verifies it against the budget. :func:`policy_of_plan` turns the
+chosen for a memory budget, verified by the planner. :func:`policy_of_plan` turns the
 plan's per-parameter decisions back into the rules that ``prepare_model`` applies to the torch
 module (channel subsets as explicit indices), and :func:`cut_model` splits the final ONNX model
-at the plan's cut when the plan caches the prefix's features.
+at the plan's cut when the plan caches the prefix's features (where it cannot, the planner plans
+again without the cache: :func:`edgeadapt.sched.refit`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from ..bundle import ParameterEntry
-from ..sched import plan_for_budget, plan_from_policy, predict, verify
+from ..sched import plan_for_budget, plan_from_policy, predict, refit
 from ..sched.ir import Graph
 from ..sched.plan import Plan
 from ..sched.policy import UpdatePolicy
@@ -123,8 +124,7 @@ def plan_export(model: nn.Module, example_input: torch.Tensor, *, policy: Update
                                             **({"loss": loss} if loss in ("cross_entropy", "mse") else {}))
         plan = plan_for_budget(graph, budget_bytes, importance=importance, n_windows=n_windows,
                                      batch_windows=batch_windows, optimizer=optimizer, policy=policy,
-                                     weights=weights, allow_remat=recompute)
-        verify(graph, plan, budget_bytes)
+                                     weights=weights, allow_remat=recompute)  # verified by the planner
     if plan.predicted is None:
         plan = replace(plan, predicted=predict(graph, plan))
     return PlannedExport(graph, plan)
@@ -188,14 +188,17 @@ def _trained_initializers(entries: tuple[ParameterEntry, ...]) -> list[str]:
 
 
 def cut_model(model_proto: onnx.ModelProto, graph: Graph, plan: Plan, entries: tuple[ParameterEntry, ...],
-              batchnorm: str) -> tuple[SplitModel | None, Plan]:
+              batchnorm: str, *, allow_remat: bool = False) -> tuple[SplitModel | None, Plan]:
     """Split the final model at ``plan.cut`` when the plan caches features.
 
     Returns:
-        The split (``None``: no prefix model) and the plan actually carried out: a cut that the
-        ONNX graph cannot honour (a connection crossing it, BatchNorm with batch statistics in
-        the prefix, whose inference form would differ) falls back to no feature cache, with the
-        peak predicted again and a warning.
+        The split (``None``: no prefix model) and the plan actually carried out: where the ONNX
+        graph cannot honour the cut (a connection crossing it, BatchNorm with batch statistics
+        in the prefix, whose inference form would differ), the planner plans again without the
+        feature cache (recomputing activations only if ``allow_remat``), with a warning.
+
+    Raises:
+        edgeadapt.sched.NoFeasiblePlan: without the cache nothing fits the plan's budget.
     """
     if plan.cut < 0 or not plan.cache_features:
         return None, plan
@@ -208,11 +211,7 @@ def cut_model(model_proto: onnx.ModelProto, graph: Graph, plan: Plan, entries: t
                            "as an inference model it would use the running statistics")
     except CutError as e:
         log.warning("not caching the prefix's features (cut after %s): %s", op.name, e)
-        fallback = replace(plan, cache_features=False)
-        fallback = replace(fallback, predicted=predict(graph, fallback))
-        if plan.budget_bytes is not None:
-            verify(graph, fallback, plan.budget_bytes)
-        return None, fallback
+        return None, refit(graph, plan, cache_features=False, allow_remat=allow_remat)
     return split, plan
 
 

@@ -7,7 +7,7 @@ carry plans out. See docs/scheduler.md and docs/cost_model.md.
 """
 
 from ..units import format_bytes, parse_bytes
-from .batching import minimum_budget, plan_for_budget, replan
+from .batching import minimum_budget, plan_for_budget, refit, replan
 from .cost import PHASES, CostModel, predict
 from .errors import BudgetExceeded, NoFeasiblePlan
 from .ir import Graph, Op, Param
@@ -28,6 +28,6 @@ __all__ = [
     "verify", "timeline", "TimelineEvent", "check_plan", "BudgetExceeded", "NoFeasiblePlan",
     "Unit", "candidate_units", "select_milp", "select_greedy",
     "Chain", "chain_from_graph", "min_flops_schedule", "min_peak_schedule", "sqrt_schedule",
-    "plan_for_budget", "replan", "minimum_budget",
+    "plan_for_budget", "replan", "refit", "minimum_budget",
     "plan_offload", "BlockTooLarge",
 ]

@@ -20,7 +20,10 @@ then costed exactly with :func:`predict`, and the most important one that fits i
 
 The result carries ``predicted`` and ``budget_bytes`` and has passed :func:`verify`.
 :func:`replan` re-plans a made plan for another window count (the device's real data) keeping
-its updates, cut and recompute choices: a cheap, pure call.
+its updates, cut and recompute choices: a cheap, pure call. :func:`refit` plans a made plan's
+updates again under a constraint the exporter meets while carrying it out (an activation that
+cannot be recomputed, a prefix that cannot run on its own): the fallbacks are planned here, and
+the exporter records only plans this module made and verified.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -43,7 +47,7 @@ from .resolve import cut_of, plan_from_policy
 from .select import build_problem, candidate_units, select_greedy, select_milp
 from .verify import verify
 
-__all__ = ["plan_for_budget", "replan", "micro_batch_sizes", "minimum_budget"]
+__all__ = ["plan_for_budget", "replan", "refit", "micro_batch_sizes", "minimum_budget"]
 
 log = logging.getLogger(__name__)
 
@@ -69,13 +73,18 @@ def _activation_limit(cost: CostModel, budget: int, held: int, m: int) -> int:
     return x
 
 
-def _with_remat(graph: Graph, plan: Plan, cost: CostModel, budget: int | None, minimal: bool) -> Plan | None:
-    """``plan`` with recompute actions: least FLOPs within ``budget`` or, ``minimal``, least memory."""
+def _with_remat(graph: Graph, plan: Plan, cost: CostModel, budget: int | None, minimal: bool,
+                keep: frozenset[str] = frozenset()) -> Plan | None:
+    """``plan`` with recompute actions: least FLOPs within ``budget`` or, ``minimal``, least memory;
+    the ops in ``keep`` keep their saved activations (``None`` when no such choice exists)."""
     trained = {p.name for p in plan.params if p.trains}
     start = plan.cut + 1 if plan.cache_features and plan.cut >= 0 else 0
     chain = chain_from_graph(graph, activation_arrays(graph, trained, start))
     if not len(chain):
         return None
+    if keep:  # recomputing a kept op costs more than every other choice together: taken only if forced
+        never = sum(chain.flops) + 1
+        chain = replace(chain, flops=tuple(never if n in keep else f for n, f in zip(chain.names, chain.flops)))
     if minimal:
         schedule = min_peak_schedule(chain)[1]
     else:
@@ -88,11 +97,16 @@ def _with_remat(graph: Graph, plan: Plan, cost: CostModel, budget: int | None, m
         if schedule is None:
             return None
     actions = tuple((name, Action.RECOMPUTE) for name, r in zip(chain.names, schedule) if r)
-    return replace(plan, activations=actions) if actions else None
+    if not actions or keep & {name for name, _ in actions}:
+        return None
+    return replace(plan, activations=actions)
 
 
-def _variants(graph: Graph, plan: Plan, allow_cache: bool) -> list[Plan]:
-    """The cache / no-cache forms of ``plan`` (cache first when its cut allows it)."""
+def _variants(graph: Graph, plan: Plan, allow_cache: bool | None) -> list[Plan]:
+    """The cache / no-cache forms of ``plan`` (cache first when its cut allows it); ``allow_cache``
+    ``None``: ``plan``'s own form only."""
+    if allow_cache is None:
+        return [plan]
     out = []
     if allow_cache and plan.cut >= 0:
         cut = plan.cut
@@ -104,9 +118,10 @@ def _variants(graph: Graph, plan: Plan, allow_cache: bool) -> list[Plan]:
     return out
 
 
-def _fit_fixed_updates(graph: Graph, plan: Plan, budget: int, cost: CostModel, allow_cache: bool,
-                       allow_remat: bool, micro_sizes: list[int]) -> Plan:
-    """The fastest form of ``plan`` (updates fixed) within ``budget``, or :class:`NoFeasiblePlan`."""
+def _fit_fixed_updates(graph: Graph, plan: Plan, budget: int, cost: CostModel, allow_cache: bool | None,
+                       allow_remat: bool, micro_sizes: list[int], keep: frozenset[str] = frozenset()) -> Plan:
+    """The fastest form of ``plan`` (updates fixed) within ``budget``, or :class:`NoFeasiblePlan`
+    (``allow_cache`` as in :func:`_variants`; ``keep`` as in :func:`_with_remat`)."""
     smallest: tuple[int, str] | None = None
     for m in micro_sizes:
         base = replace(plan, micro_batch_windows=m, activations=(), predicted=None, budget_bytes=None)
@@ -115,7 +130,7 @@ def _fit_fixed_updates(graph: Graph, plan: Plan, budget: int, cost: CostModel, a
             if peak.peak_bytes <= budget:
                 return _finish(graph, variant, budget, cost)
             if allow_remat:
-                remat = _with_remat(graph, variant, cost, budget, minimal=False)
+                remat = _with_remat(graph, variant, cost, budget, minimal=False, keep=keep)
                 if remat is not None and predict(graph, remat, cost).peak_bytes <= budget:
                     return _finish(graph, remat, budget, cost)
     # Nothing fits: the smallest budget over every form at the smallest micro-batch.
@@ -124,7 +139,7 @@ def _fit_fixed_updates(graph: Graph, plan: Plan, budget: int, cost: CostModel, a
     for variant in _variants(graph, base, allow_cache):
         forms = [variant]
         if allow_remat:
-            low = _with_remat(graph, variant, cost, None, minimal=True)
+            low = _with_remat(graph, variant, cost, None, minimal=True, keep=keep)
             if low is not None:
                 forms.append(low)
         for form in forms:
@@ -455,3 +470,31 @@ def replan(graph: Graph, plan: Plan, n_windows: int, budget_bytes: int | None = 
     raise NoFeasiblePlan(best_fail[0], budget, best_fail[1],
                          detail=f"no micro-batch fits {n_windows} windows; the smallest budget that fits is "
                                 f"{best_fail[0]} bytes: raise the budget or adapt on fewer windows")
+
+
+def refit(graph: Graph, plan: Plan, *, keep_activations: Iterable[str] = (), cache_features: bool | None = None,
+          allow_remat: bool = True, cost: CostModel | None = None) -> Plan:
+    """Plan ``plan``'s updates again under a constraint met while carrying the plan out.
+
+    The trained parameters stay. The saved activations of the ops in ``keep_activations`` are
+    kept (never recomputed); with ``cache_features=False`` the prefix's features are not cached
+    (the prefix runs with every micro-batch); without ``allow_remat`` nothing is recomputed. With
+    a budget, the fastest plan under these constraints within it is chosen again (the largest
+    micro-batch, then no recompute before the least recompute FLOPs) and verified; without one,
+    the plan takes the constraints and is predicted.
+
+    Raises:
+        NoFeasiblePlan: nothing under these constraints fits the plan's budget; ``need_bytes``
+            is the smallest budget that would.
+    """
+    cost = cost or CostModel.default()
+    keep = frozenset(keep_activations)
+    form = replace(plan, predicted=None)
+    if cache_features is False and plan.cache_features:
+        form = replace(form, cut=cut_of(graph, plan.params), cache_features=False)
+    if plan.budget_bytes is None:
+        form = replace(form, activations=tuple((n, Action.KEEP if n in keep or not allow_remat else a)
+                                               for n, a in form.activations))
+        return replace(form, predicted=predict(graph, form, cost))
+    return _fit_fixed_updates(graph, form, plan.budget_bytes, cost, None, allow_remat,
+                              micro_batch_sizes(plan.batch_windows), keep=keep)

@@ -203,11 +203,12 @@ def test_export_without_recompute_when_the_self_check_refuses_it(tmp_path, monke
     """ONNX Runtime miscomputes some rewritten graphs (a grouped ConvGrad that overwrites a
     gradient buffer another branch still reads, depending on the execution order). When the
     self-check refuses the training graph with rebuilt tensors but accepts it without, the bundle
-    keeps them instead, with a warning, and the plan is verified again (here: over its budget);
-    when it refuses both, the model is the cause and its own error is raised."""
+    keeps them instead, with a warning, and the planner plans again without recompute (here: a
+    smaller micro-batch fits the same budget); when it refuses both, the model is the cause and
+    its own error is raised."""
     from edgeadapt.export import UpdatePolicy, exporter
     from edgeadapt.export.selfcheck import SelfCheckError
-    from edgeadapt.sched import BudgetExceeded
+    from edgeadapt.sched import Graph, Plan, verify
 
     real = exporter.choose_session
 
@@ -218,11 +219,26 @@ def test_export_without_recompute_when_the_self_check_refuses_it(tmp_path, monke
 
     monkeypatch.setattr(exporter, "choose_session", refusing)
     model, x, budget = _mlp_recompute_case()
-    with caplog.at_level(logging.WARNING), pytest.raises(BudgetExceeded if plain_passes else SelfCheckError):
-        exporter.export_bundle(model, x, tmp_path / "b", policy=UpdatePolicy.full(), memory_budget=budget,
-                               n_windows=WINDOWS, batch_windows=WINDOWS, recompute=True)
-    assert ("exporting without recompute" in caplog.text) == plain_passes
-    assert not (tmp_path / "b").exists()
+    out = tmp_path / "b"
+    kw = dict(policy=UpdatePolicy.full(), memory_budget=budget, n_windows=WINDOWS, batch_windows=WINDOWS,
+              recompute=True)
+    with caplog.at_level(logging.WARNING):
+        if not plain_passes:
+            with pytest.raises(SelfCheckError):
+                exporter.export_bundle(model, x, out, **kw)
+            assert "exporting without recompute" not in caplog.text and not out.exists()
+            return
+        manifest = exporter.export_bundle(model, x, out, **kw)
+    assert "exporting without recompute" in caplog.text
+    assert not manifest.session.get("disable_cse")
+    plan = Plan.from_dict(manifest.plan)
+    assert plan.recomputed == () and plan.budget_bytes == budget
+    assert plan.micro_batch_windows < WINDOWS  # the recomputing plan took the whole batch
+    verify(Graph.from_dict(manifest.graph), plan, budget)  # the recorded plan is the one verified
+    assert manifest.plan["predicted_peak_bytes"] <= budget
+    training = onnx.load(out / "training_model.onnx")
+    gelu = next(n for n in training.graph.node if n.op_type == "Gelu" and "layers.0" in n.output[0])
+    assert gelu.input[0] in kept_tensors(training.graph)  # kept, not rebuilt
 
 
 def test_a_budget_export_recomputes_nothing_unless_asked(tmp_path):
@@ -235,3 +251,19 @@ def test_a_budget_export_recomputes_nothing_unless_asked(tmp_path):
                              n_windows=WINDOWS, batch_windows=WINDOWS)
     assert all(a == "keep" for _, a in manifest.plan["activations"])
     assert not manifest.session.get("disable_cse")
+
+
+def test_a_portable_only_export_is_planned_without_recompute(tmp_path):
+    """The portable step graphs keep every activation the backward reads, so a portable-only
+    export plans without recompute from the start (the budget then fits at a smaller micro-batch)
+    instead of editing a recomputing plan afterwards."""
+    from edgeadapt.export import UpdatePolicy, export_bundle
+    from edgeadapt.sched import Graph, Plan, verify
+
+    model, x, budget = _mlp_recompute_case()
+    manifest = export_bundle(model, x, tmp_path / "b", policy=UpdatePolicy.full(), memory_budget=budget,
+                             n_windows=WINDOWS, batch_windows=WINDOWS, recompute=True, backend="portable")
+    plan = Plan.from_dict(manifest.plan)
+    assert manifest.backends == ("portable",) and plan.recomputed == ()
+    assert plan.micro_batch_windows < WINDOWS
+    verify(Graph.from_dict(manifest.graph), plan, budget)
