@@ -252,17 +252,19 @@ def model_ladder(model, example, *, n_windows: int, batch_windows: int, count: i
     """The graph IR of ``model`` and its budget ladder: ``minimum_budget`` .. full fine-tuning's
     predicted peak, with the planner times."""
     from edgeadapt import sched
+    from edgeadapt.export import plan_cost
     from edgeadapt.export.planning import model_graph
 
     t0 = time.perf_counter()
     graph, weights = model_graph(model, example, "frozen")
     graph_s = time.perf_counter() - t0
+    cost = plan_cost()  # the bundles this sweep exports hold the engines an "auto" export writes
     t0 = time.perf_counter()
-    low = sched.minimum_budget(graph, n_windows=n_windows, batch_windows=batch_windows)
+    low = sched.minimum_budget(graph, n_windows=n_windows, batch_windows=batch_windows, cost=cost)
     minimum_s = time.perf_counter() - t0
     full = sched.plan_from_policy(graph, sched.UpdatePolicy.full(), weights=weights, batch_windows=batch_windows,
                                   n_windows=n_windows)
-    full_peak = sched.predict(graph, full).peak_bytes
+    full_peak = sched.predict(graph, full, cost).peak_bytes
     return {"graph": graph, "n_ops": len(graph.ops), "n_params": len(graph.params),
             "minimum_budget_bytes": low, "full_predicted_bytes": full_peak,
             "budgets": budget_ladder(low, max(low, full_peak), count, extra),

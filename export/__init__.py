@@ -9,7 +9,7 @@ Example::
                   loss="cross_entropy", optimizer="adamw")
 """
 
-from .exporter import export_bundle
+from .exporter import export_bundle, plan_cost
 from .unsupported import UnsupportedOpError
 from .objectives import LOSSES, OPTIMIZERS, OptimizerConfig
 from ..sched.policy import Mode, Rule, UpdatePolicy
@@ -17,6 +17,7 @@ from .prepare import FrozenBatchNorm
 
 __all__ = [
     "export_bundle",
+    "plan_cost",
     "UpdatePolicy",
     "Rule",
     "Mode",

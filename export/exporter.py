@@ -23,7 +23,7 @@ from ..atomic import staged_directory
 from ..bundle import Manifest, TensorSpec, sha256_file, write_manifest
 from ..onnx_guard import stamp_contract
 from ..progress import Stages
-from ..sched import refit
+from ..sched import CostModel, refit
 from ..sched.ir import Graph
 from ..sched.plan import Plan
 from ..sched.policy import UpdatePolicy
@@ -40,7 +40,7 @@ from .selfcheck import SelfCheckError, choose_session
 from .portable.check import check_portable
 from .portable.writer import example_labels, write_portable
 
-__all__ = ["export_bundle", "REWRITE_TOLERANCE", "EXPORT_STAGES"]
+__all__ = ["export_bundle", "plan_cost", "REWRITE_TOLERANCE", "EXPORT_STAGES"]
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def _last_layer_without_graph(model: nn.Module, policy: UpdatePolicy) -> UpdateP
 
 
 def _bake_recompute(training_path: Path, model_proto: onnx.ModelProto, graph: Graph,
-                    plan: Plan) -> tuple[Plan, list[str]]:
+                    plan: Plan, cost: CostModel) -> tuple[Plan, list[str]]:
     """Rebuild the saved tensors of the plan's recomputed ops in the backward of the training graph.
 
     The saved tensors are found in the graph ONNX Runtime trains (its artifact generator fuses
@@ -168,7 +168,7 @@ def _bake_recompute(training_path: Path, model_proto: onnx.ModelProto, graph: Gr
         log.warning("recompute: keeping %s: rebuilding %s would run %s twice (state update or random draw); "
                     "planning again with them kept", sorted(owners), sorted(blocked), sorted(set(blocked.values())))
         kept |= owners
-        plan = refit(graph, plan, keep_activations=kept)
+        plan = refit(graph, plan, keep_activations=kept, cost=cost)
     done = recompute_tensors(model, runs)
     if done:
         onnx.save(model, training_path)
@@ -197,6 +197,14 @@ def resolve_backends(backend: str) -> tuple[str, ...]:
         raise ValueError(f"backend {backend!r} needs onnxruntime-training, which is not installed here (it exists "
                          "for x86_64 with Python <= 3.12); export with backend='portable'")
     return wanted
+
+
+def plan_cost(backend: str = "auto") -> CostModel:
+    """The cost constants an export with ``backend`` plans with: the device may run any engine
+    the bundle holds, so each constant is the largest of those engines' measured ones
+    (:meth:`edgeadapt.sched.CostModel.bounding`). Use it to predict or size budgets for such a
+    bundle (``minimum_budget(..., cost=plan_cost())``)."""
+    return CostModel.bounding(resolve_backends(backend))
 
 
 def _suffix_example(split, example_input: torch.Tensor) -> np.ndarray:
@@ -341,9 +349,11 @@ def _export(model: nn.Module, example_input: torch.Tensor, out_dir: str | Path, 
 
     # Only the ort-training graphs rebuild activations: a portable-only bundle is planned without recompute.
     recompute = recompute and "ort-training" in backends
+    cost = CostModel.bounding(backends)
     planned = plan_export(model, example_input, policy=given_policy, budget_bytes=budget_bytes, batchnorm=batchnorm,
                           optimizer=opt.name, n_windows=n_windows, batch_windows=batch_windows, importance=importance,
-                          cache_features=cache_features, loss=loss, recompute=recompute, on_stage=stages.start)
+                          cache_features=cache_features, loss=loss, recompute=recompute, cost=cost,
+                          on_stage=stages.start)
     plan, graph = planned.plan, planned.graph
     policy = given_policy
     if plan is None:  # no graph IR for this model: the policy as given, no plan recorded
@@ -364,7 +374,7 @@ def _export(model: nn.Module, example_input: torch.Tensor, out_dir: str | Path, 
     stages.start(EXPORT_STAGES[2])
     model_proto, entries = to_onnx(prepared.module, example_input, prepared.entries, INPUT_NAME, OUTPUT_NAME)
     split, plan = (None, None) if plan is None else cut_model(model_proto, graph, plan, entries, batchnorm,
-                                                              allow_remat=recompute)
+                                                              allow_remat=recompute, cost=cost)
     onnxruntime.set_default_logger_severity(3)
     stages.start(EXPORT_STAGES[3])
     with staged_directory(out_dir) as stage:
@@ -382,7 +392,7 @@ def _export(model: nn.Module, example_input: torch.Tensor, out_dir: str | Path, 
                 onnx.save(opt_model, opt_path)
             if plan is not None and plan.recomputed:
                 plain_training = training_path.read_bytes()
-                plan, recomputed = _bake_recompute(training_path, model_proto, graph, plan)
+                plan, recomputed = _bake_recompute(training_path, model_proto, graph, plan, cost)
             for f in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx",
                       *([PREFIX_FILE] if split else [])):
                 ir = onnx.load(stage / f, load_external_data=False).ir_version
@@ -429,7 +439,7 @@ def _export(model: nn.Module, example_input: torch.Tensor, out_dir: str | Path, 
                 log.warning("recompute: ONNX Runtime's training step with the rebuilt tensors does not reproduce "
                             "torch, without them it does; exporting without recompute, planned again (%s)",
                             str(e).splitlines()[0])
-                plan = refit(graph, plan, allow_remat=False)
+                plan = refit(graph, plan, allow_remat=False, cost=cost)
                 draft = draft_for(plan, False)
             manifest = replace(draft, session=session)
         if portable is not None:

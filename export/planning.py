@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..bundle import ParameterEntry
-from ..sched import plan_for_budget, plan_from_policy, predict, refit
+from ..sched import CostModel, plan_for_budget, plan_from_policy, predict, refit
 from ..sched.ir import Graph
 from ..sched.plan import Plan
 from ..sched.policy import UpdatePolicy
@@ -69,18 +69,18 @@ def clean_cut_before(graph: Graph, cut: int) -> int:
     return next((c for c in range(cut, -1, -1) if clean_cut(graph, c)), -1)
 
 
-def _choose_cache(graph: Graph, plan: Plan, cache_features: bool | None) -> Plan:
+def _choose_cache(graph: Graph, plan: Plan, cache_features: bool | None, cost: CostModel) -> Plan:
     """Without a budget: cache the frozen prefix's features (at the latest clean cut) when that
     lowers the predicted peak, or as ``cache_features`` says."""
     plain = replace(plan, cache_features=False)
-    plain = replace(plain, predicted=predict(graph, plain))
+    plain = replace(plain, predicted=predict(graph, plain, cost))
     cut = clean_cut_before(graph, plan.cut)
     if cut < 0 or cache_features is False:
         if cache_features:
             log.warning("no frozen prefix can run on its own before the first trained op; features are not cached")
         return plain
     cached = replace(plan, cut=cut, cache_features=True)
-    cached = replace(cached, predicted=predict(graph, cached))
+    cached = replace(cached, predicted=predict(graph, cached, cost))
     if cache_features or cached.predicted.peak_bytes < plain.predicted.peak_bytes:
         return cached
     return plain
@@ -89,7 +89,7 @@ def _choose_cache(graph: Graph, plan: Plan, cache_features: bool | None) -> Plan
 def plan_export(model: nn.Module, example_input: torch.Tensor, *, policy: UpdatePolicy | None,
                 budget_bytes: int | None, batchnorm: str, optimizer: str, n_windows: int, batch_windows: int,
                 importance: dict[str, float] | None = None, cache_features: bool | None = None,
-                loss: str = "cross_entropy", recompute: bool = False,
+                loss: str = "cross_entropy", recompute: bool = False, cost: CostModel | None = None,
                 on_stage: Callable[[str], None] = lambda name: None) -> PlannedExport:
     """Build the graph IR and make the plan (see the module docstring).
 
@@ -99,6 +99,8 @@ def plan_export(model: nn.Module, example_input: torch.Tensor, *, policy: Update
       and recompute when ``recompute``), refused when none fits;
     * a budget and no policy: the planner picks what trains.
 
+    ``cost``: the cost constants the plan is made with (default: the ONNX Runtime training
+    engine's; the exporter passes constants that bound every engine the bundle holds).
     ``on_stage("planning")`` is called once the model is traced, before the importance
     measurement and the planner.
 
@@ -114,19 +116,20 @@ def plan_export(model: nn.Module, example_input: torch.Tensor, *, policy: Update
         log.warning("exporting without a memory plan: the model's graph IR cannot be built (%s)", e)
         return PlannedExport(None, None)
     on_stage("planning")
+    cost = cost or CostModel.default()
     if budget_bytes is None:
         plan = plan_from_policy(graph, policy or UpdatePolicy.last_layer(), weights=weights,
                                       batch_windows=batch_windows, n_windows=n_windows, optimizer=optimizer)
-        plan = _choose_cache(graph, plan, cache_features)
+        plan = _choose_cache(graph, plan, cache_features, cost)
     else:
         if importance is None and policy is None:  # empirical Fisher per output channel, on the example
             importance = measure_importance(model, example_input, graph, batchnorm=batchnorm,
                                             **({"loss": loss} if loss in ("cross_entropy", "mse") else {}))
         plan = plan_for_budget(graph, budget_bytes, importance=importance, n_windows=n_windows,
                                      batch_windows=batch_windows, optimizer=optimizer, policy=policy,
-                                     weights=weights, allow_remat=recompute)  # verified by the planner
+                                     weights=weights, allow_remat=recompute, cost=cost)  # verified there
     if plan.predicted is None:
-        plan = replace(plan, predicted=predict(graph, plan))
+        plan = replace(plan, predicted=predict(graph, plan, cost))
     return PlannedExport(graph, plan)
 
 
@@ -188,14 +191,16 @@ def _trained_initializers(entries: tuple[ParameterEntry, ...]) -> list[str]:
 
 
 def cut_model(model_proto: onnx.ModelProto, graph: Graph, plan: Plan, entries: tuple[ParameterEntry, ...],
-              batchnorm: str, *, allow_remat: bool = False) -> tuple[SplitModel | None, Plan]:
+              batchnorm: str, *, allow_remat: bool = False,
+              cost: CostModel | None = None) -> tuple[SplitModel | None, Plan]:
     """Split the final model at ``plan.cut`` when the plan caches features.
 
     Returns:
         The split (``None``: no prefix model) and the plan actually carried out: where the ONNX
         graph cannot honour the cut (a connection crossing it, BatchNorm with batch statistics
         in the prefix, whose inference form would differ), the planner plans again without the
-        feature cache (recomputing activations only if ``allow_remat``), with a warning.
+        feature cache (recomputing activations only if ``allow_remat``; with ``cost``, the plan's
+        constants), with a warning.
 
     Raises:
         edgeadapt.sched.NoFeasiblePlan: without the cache nothing fits the plan's budget.
@@ -211,7 +216,7 @@ def cut_model(model_proto: onnx.ModelProto, graph: Graph, plan: Plan, entries: t
                            "as an inference model it would use the running statistics")
     except CutError as e:
         log.warning("not caching the prefix's features (cut after %s): %s", op.name, e)
-        return None, refit(graph, plan, cache_features=False, allow_remat=allow_remat)
+        return None, refit(graph, plan, cache_features=False, allow_remat=allow_remat, cost=cost)
     return split, plan
 
 

@@ -75,16 +75,18 @@ def plan_report(bundle_dir: str | os.PathLike, *, n_windows: int | None = None,
                "prefix_model": manifest.files.get("prefix_model")}
     recomputed = list(plan.recomputed)
     stored = plan.predicted
+    cost = None
     try:
-        from ..sched import predict
+        from ..sched import CostModel, predict
 
-        repredicted = predict(graph, plan).to_dict()
+        cost = CostModel.bounding(manifest.backends)  # the constants the bundle was planned with
+        repredicted = predict(graph, plan, cost).to_dict()
     except ImportError:  # a planner without predict(): report what the exporter stored
         repredicted = None
     try:
         from ..sched.verify import timeline
 
-        events = [[e.phase, e.where, e.total_bytes] for e in timeline(graph, plan)]
+        events = [[e.phase, e.where, e.total_bytes] for e in timeline(graph, plan, cost)]
     except ImportError:
         events = None
     return {

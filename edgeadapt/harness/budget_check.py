@@ -120,13 +120,15 @@ def model_budgets(model, example, settings: CheckSettings, count: int) -> list[i
     """``count`` budgets from the smallest feasible one (``sched.minimum_budget``) to full
     fine-tuning's predicted peak, geometric."""
     from .. import sched
+    from ..export import plan_cost
     from ..export.planning import model_graph
 
     graph, weights = model_graph(model, example, "frozen")
-    low = sched.minimum_budget(graph, n_windows=settings.n_windows, batch_windows=settings.batch_windows)
+    cost = plan_cost(settings.backend)
+    low = sched.minimum_budget(graph, n_windows=settings.n_windows, batch_windows=settings.batch_windows, cost=cost)
     full = sched.plan_from_policy(graph, sched.UpdatePolicy.full(), weights=weights,
                                   batch_windows=settings.batch_windows, n_windows=settings.n_windows)
-    return budget_ladder(low, max(low, sched.predict(graph, full).peak_bytes), count)
+    return budget_ladder(low, max(low, sched.predict(graph, full, cost).peak_bytes), count)
 
 
 def check_budget(name: str, budget_bytes: int, workdir: Path,

@@ -246,6 +246,7 @@ def _smallest_budget_bytes(model_name: str, split) -> int:
     importance measured on the trained model, so never above the budget the export needs."""
     import torch
 
+    from ..export import plan_cost
     from ..export.planning import model_graph
     from ..models import build_model
     from ..sched import minimum_budget
@@ -253,7 +254,8 @@ def _smallest_budget_bytes(model_name: str, split) -> int:
     X = split.target_adapt.X
     model = build_model(model_name, X.shape[1], split.source_train.n_classes, X.shape[2])
     graph, _ = model_graph(model, torch.from_numpy(X[:2]), "frozen")
-    return minimum_budget(graph, n_windows=len(X), batch_windows=BATCH_SIZE, optimizer="adamw", allow_remat=False)
+    return minimum_budget(graph, n_windows=len(X), batch_windows=BATCH_SIZE, optimizer="adamw", allow_remat=False,
+                          cost=plan_cost())
 
 
 def _infeasible(method: str, memory_budget: str, smallest_bytes: int) -> dict:

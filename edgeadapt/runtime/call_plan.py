@@ -13,8 +13,9 @@ scheduler before the first step:
 and refused with :class:`~edgeadapt.sched.BudgetExceeded` (the predicted need and the budget)
 when nothing fits. Bundles without a budget (a hand-written policy) are not checked.
 
-The scheduler and the plan are loaded with the runner (:class:`CallPlan` is built at load), so
-nothing is imported during ``adapt``.
+Calls are predicted with the cost constants of the engine that runs them
+(:meth:`edgeadapt.sched.CostModel.default`). The scheduler and the plan are loaded with the
+runner (:class:`CallPlan` is built at load), so nothing is imported during ``adapt``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 class CallPlan:
     """The bundle's plan and budget, ready to check calls (see the module docstring)."""
 
-    def __init__(self, manifest: Manifest):
+    def __init__(self, manifest: Manifest, engine: str):
         plan = manifest.plan or {}
         self.budget_bytes = plan.get("budget_bytes")
         self._plan = self._graph = None
@@ -41,6 +42,7 @@ class CallPlan:
         from .. import sched
 
         self._sched = sched
+        self._cost = sched.CostModel.default(engine)
         try:
             self._plan = sched.Plan.from_dict(plan)
             self._graph = sched.Graph.from_dict(manifest.graph)
@@ -68,7 +70,7 @@ class CallPlan:
         trial = replace(plan, n_windows=max(n_windows, plan.n_windows), batch_windows=batch_windows,
                         micro_batch_windows=micro, predicted=None)
         if explicit or fixed:
-            peak = self._sched.predict(self._graph, trial)
+            peak = self._sched.predict(self._graph, trial, self._cost)
             if peak.peak_bytes > self.budget_bytes:
                 raise self._sched.BudgetExceeded(
                     peak.peak_bytes, self.budget_bytes, peak.where,
@@ -78,7 +80,7 @@ class CallPlan:
             return micro
         try:
             again = self._sched.replan(self._graph, replace(trial, micro_batch_windows=min(micro, batch_windows)),
-                                       n_windows)
+                                       n_windows, cost=self._cost)
         except self._sched.NoFeasiblePlan as e:
             raise self._sched.BudgetExceeded(
                 e.need_bytes, e.have_bytes, e.where,

@@ -153,7 +153,7 @@ class Runner:
         self.backend = backend
         self._state_role = STATE_ROLES[backend]
         self._backend = open_backend(None)
-        self._call_plan = CallPlan(manifest)  # adapt calls held to the plan's budget (sched loaded now)
+        self._call_plan = CallPlan(manifest, backend)  # adapt calls held to the plan's budget (sched loaded now)
         # A checkpoint file equal to the current state (rollback replays from it); None once changed.
         self._clean_checkpoint: Path | None = self.bundle_dir / manifest.files[self._state_role]
         self.step = int(manifest.state.get("step", 0))

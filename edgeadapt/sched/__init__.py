@@ -8,7 +8,7 @@ carry plans out. See docs/scheduler.md and docs/cost_model.md.
 
 from ..units import format_bytes, parse_bytes
 from .batching import minimum_budget, plan_for_budget, refit, replan
-from .cost import PHASES, CostModel, predict
+from .cost import ENGINES, PHASES, CostModel, predict
 from .errors import BudgetExceeded, NoFeasiblePlan
 from .ir import Graph, Op, Param
 from .offload import BlockTooLarge, plan_offload
@@ -24,7 +24,7 @@ __all__ = [
     "Plan", "ParamPlan", "Peak", "Mode", "Tier", "Action", "parse_bytes", "format_bytes",
     "Rule", "UpdatePolicy",
     "plan_from_policy", "policy_of_plan", "resolve_params", "resolve_channels", "cut_of", "trained_bytes",
-    "CostModel", "predict", "PHASES",
+    "CostModel", "predict", "PHASES", "ENGINES",
     "verify", "timeline", "TimelineEvent", "check_plan", "BudgetExceeded", "NoFeasiblePlan",
     "Unit", "candidate_units", "select_milp", "select_greedy",
     "Chain", "chain_from_graph", "min_flops_schedule", "min_peak_schedule", "sqrt_schedule",

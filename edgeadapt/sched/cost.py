@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from importlib import resources
 from typing import Any
@@ -44,11 +45,13 @@ from .ir import Graph
 from .plan import Peak, Plan
 from .resolve import trained_bytes
 
-__all__ = ["CostModel", "predict", "PHASES", "needs_grad", "live_bytes", "activation_arrays", "ActivationArrays",
-           "clean_cut", "channel_weight_bytes"]
+__all__ = ["CostModel", "predict", "PHASES", "ENGINES", "needs_grad", "live_bytes", "activation_arrays",
+           "ActivationArrays", "clean_cut", "channel_weight_bytes"]
 
 PHASES = ("session", "features", "rollback", "forward", "backward", "optimizer")
-_CONSTANTS_FILE = "cost_model.json"
+# The shipped constants of each training engine (runtime.engines), measured by benchmarks/calibrate_cost.py.
+_CONSTANTS_FILES = {"ort-training": "cost_model.json", "portable": "cost_model_portable.json"}
+ENGINES = tuple(_CONSTANTS_FILES)
 
 
 @dataclass(frozen=True)
@@ -152,16 +155,33 @@ class CostModel:
         return cls(**d)
 
     @classmethod
-    def default(cls) -> CostModel:
-        """The constants measured by ``benchmarks/calibrate_cost.py`` and shipped with the package,
-        read once per process: every plan a process makes uses the same constants, even if the
-        file is rewritten meanwhile (a calibration run)."""
-        return cls.from_dict(json.loads(_shipped_constants_text()))
+    def default(cls, engine: str = "ort-training") -> CostModel:
+        """The constants of training engine ``engine`` (one of :data:`ENGINES`) measured by
+        ``benchmarks/calibrate_cost.py`` and shipped with the package, read once per process:
+        every plan a process makes uses the same constants, even if the file is rewritten
+        meanwhile (a calibration run)."""
+        if engine not in _CONSTANTS_FILES:
+            raise ValueError(f"no cost constants for engine {engine!r}; known: {list(ENGINES)}")
+        return cls.from_dict(json.loads(_shipped_constants_text(_CONSTANTS_FILES[engine])))
+
+    @classmethod
+    def bounding(cls, engines: Iterable[str]) -> CostModel:
+        """Constants whose predictions bound those of every engine in ``engines``: each constant
+        the largest of theirs. Every phase of :func:`predict` grows with every constant, so a
+        plan within a budget under these fits it on each engine (a bundle holding several
+        engines' graphs is planned with them: the device may run any of them)."""
+        models = [cls.default(e) for e in dict.fromkeys(engines)]
+        if not models:
+            raise ValueError("no engine given")
+        if len(models) == 1:
+            return models[0]
+        values = {f.name: max(getattr(m, f.name) for m in models) for f in fields(cls) if f.name != "calibration"}
+        return cls(**values, calibration={"bound_of": list(dict.fromkeys(engines))})
 
 
 @functools.cache
-def _shipped_constants_text() -> str:
-    return resources.files(__package__).joinpath(_CONSTANTS_FILE).read_text()
+def _shipped_constants_text(name: str) -> str:
+    return resources.files(__package__).joinpath(name).read_text()
 
 
 def channel_weight_bytes(graph: Graph, params) -> int:

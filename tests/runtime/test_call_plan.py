@@ -37,7 +37,7 @@ def _manifest(g, plan):
 
 def test_a_call_within_the_plan_runs_as_planned():
     g, plan = _cached_plan()
-    cp = CallPlan(_manifest(g, plan))
+    cp = CallPlan(_manifest(g, plan), "ort-training")
     m = plan.micro_batch_windows
     assert cp.micro_batch(16, 8, m, False, False) == m
     assert cp.micro_batch(10, 64, m, False, False) == m  # a larger batch only adds micro-batches
@@ -46,7 +46,7 @@ def test_a_call_within_the_plan_runs_as_planned():
 
 def test_more_windows_are_planned_again_within_the_budget_or_refused():
     g, plan = _cached_plan()
-    cp = CallPlan(_manifest(g, plan))
+    cp = CallPlan(_manifest(g, plan), "ort-training")
     for n in (17, 64, 400, 40_000):
         try:
             m = cp.micro_batch(n, 8, plan.micro_batch_windows, False, False)
@@ -64,12 +64,28 @@ def test_more_windows_are_planned_again_within_the_budget_or_refused():
 def test_an_explicit_micro_batch_over_the_budget_is_refused():
     g, plan = _cached_plan()
     tight = replace(plan, budget_bytes=plan.predicted.peak_bytes)  # no room above the planned micro-batch
-    cp = CallPlan(_manifest(g, tight))
+    cp = CallPlan(_manifest(g, tight), "ort-training")
     with pytest.raises(BudgetExceeded, match="micro-batches of 8"):
         cp.micro_batch(16, 8, 8, True, False) if plan.micro_batch_windows < 8 else cp.micro_batch(16, 16, 16, True,
                                                                                                   False)
 
 
 def test_bundles_without_a_budget_are_not_checked():
-    cp = CallPlan(SimpleNamespace(plan=None, graph=None))
+    cp = CallPlan(SimpleNamespace(plan=None, graph=None), "ort-training")
     assert cp.budget_bytes is None and cp.micro_batch(10**6, 512, 512, True, False) == 512
+
+
+def test_calls_are_predicted_with_the_running_engines_constants():
+    """A micro-batch the ONNX Runtime training engine fits exactly is over the budget on the
+    portable engine, whose measured constants are larger."""
+    from edgeadapt.sched import CostModel
+
+    g, plan = _cached_plan()
+    m = 2 * plan.micro_batch_windows
+    trial = replace(plan, batch_windows=m, micro_batch_windows=m, predicted=None)
+    ort, portable = (predict(g, trial, CostModel.default(e)).peak_bytes for e in ("ort-training", "portable"))
+    assert portable > ort
+    exact = replace(plan, budget_bytes=ort)
+    assert CallPlan(_manifest(g, exact), "ort-training").micro_batch(16, m, m, True, False) == m
+    with pytest.raises(BudgetExceeded):
+        CallPlan(_manifest(g, exact), "portable").micro_batch(16, m, m, True, False)

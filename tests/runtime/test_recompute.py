@@ -147,24 +147,25 @@ def test_batch_statistics_are_never_run_twice(tmp_path):
 WINDOWS = 16
 
 
-def _mlp_recompute_case():
+def _mlp_recompute_case(engine: str = "ort-training"):
     """The reference transformer (2 layers) and a budget under which the planner recomputes its
-    first GELU (``layers.0.mlp.act``), found by lowering the budget from what keeping every
-    activation needs, so that the case follows the cost model."""
+    first GELU (``layers.0.mlp.act``) with ``engine``'s cost constants, found by lowering the
+    budget from what keeping every activation needs, so that the case follows the cost model."""
     import torch
 
     from edgeadapt.export import UpdatePolicy
     from edgeadapt.export.planning import model_graph
     from edgeadapt.models import build_model
-    from edgeadapt.sched import NoFeasiblePlan, plan_for_budget, plan_from_policy, predict
+    from edgeadapt.sched import CostModel, NoFeasiblePlan, plan_for_budget, plan_from_policy, predict
 
     torch.manual_seed(0)
     model = build_model("transformer", 2, 3, 64, patch_size=4, d_model=16, n_heads=2, n_layers=2)
     x = torch.randn(WINDOWS, 2, 64, generator=torch.Generator().manual_seed(0))
     graph, weights = model_graph(model, x, "frozen")
-    kw = dict(policy=UpdatePolicy.full(), weights=weights, batch_windows=WINDOWS, n_windows=WINDOWS)
+    cost = CostModel.default(engine)
+    kw = dict(policy=UpdatePolicy.full(), weights=weights, batch_windows=WINDOWS, n_windows=WINDOWS, cost=cost)
     keep_all = predict(graph, plan_from_policy(graph, kw["policy"], weights=weights, batch_windows=WINDOWS,
-                                               n_windows=WINDOWS, micro_batch_windows=WINDOWS)).peak_bytes
+                                               n_windows=WINDOWS, micro_batch_windows=WINDOWS), cost).peak_bytes
     for step in range(1, 200):
         try:
             plan = plan_for_budget(graph, int(keep_all * (1 - step / 400)), **kw)
@@ -260,10 +261,12 @@ def test_a_portable_only_export_is_planned_without_recompute(tmp_path):
     from edgeadapt.export import UpdatePolicy, export_bundle
     from edgeadapt.sched import Graph, Plan, verify
 
-    model, x, budget = _mlp_recompute_case()
+    from edgeadapt.sched import CostModel
+
+    model, x, budget = _mlp_recompute_case("portable")
     manifest = export_bundle(model, x, tmp_path / "b", policy=UpdatePolicy.full(), memory_budget=budget,
                              n_windows=WINDOWS, batch_windows=WINDOWS, recompute=True, backend="portable")
     plan = Plan.from_dict(manifest.plan)
     assert manifest.backends == ("portable",) and plan.recomputed == ()
     assert plan.micro_batch_windows < WINDOWS
-    verify(Graph.from_dict(manifest.graph), plan, budget)
+    verify(Graph.from_dict(manifest.graph), plan, budget, cost=CostModel.default("portable"))
