@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from onnx import numpy_helper
 
 from ..unsupported import UnsupportedOpError, module_of_node
+from .recurrent import gru, lstm
 
 __all__ = ["Ints", "BatchNormStats", "run_graph", "SUPPORTED_OPS", "check_supported"]
 
@@ -337,6 +338,14 @@ def _expand(node, args, attrs):
     return [x.reshape(have).expand([h if s == 1 else s for s, h in zip(full, have)])]
 
 
+def _constant_of_shape(node, args, attrs):
+    value = attrs.get("value")
+    fill = np.zeros(1, np.float32) if value is None else numpy_helper.to_array(value).reshape(-1)
+    if fill.size != 1:
+        raise ValueError(f"value holds {fill.size} elements, not one")
+    return [torch.full(_ints(args[0]), fill[0].item(), dtype=torch.from_numpy(fill.copy()).dtype)]
+
+
 def _reduce_l2(x, axes, keep):
     return torch.sqrt((x * x).sum(axes, keepdim=keep))
 
@@ -393,6 +402,9 @@ _OPS: dict[str, OpFn] = {
     "Shape": _shape,
     "Cast": _cast,
     "Expand": _expand,
+    "ConstantOfShape": _constant_of_shape,
+    "GRU": gru,
+    "LSTM": lstm,
 }
 SUPPORTED_OPS = frozenset([*_OPS, "Constant", "BatchNormalization"])
 
