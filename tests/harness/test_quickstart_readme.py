@@ -43,7 +43,7 @@ REPORT = {"config": {"memory_budget": "600KiB"}, "host": {"cpu": {"model": "a CP
 def test_readme_names_its_options_and_the_compared_figures_are_parsed_from_a_table():
     script = _script()
     options, _ = script.readme_block((REPO / "README.md").read_text())
-    assert options == ["--memory-budget", "600KiB"]
+    assert options == ["--memory-budget", "1MiB"]
     block = readme_table(REPORT)
     assert "`edgeadapt quickstart --memory-budget 600KiB`" in block
     figures = script.exact_figures(block)
