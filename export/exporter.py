@@ -38,6 +38,7 @@ from .planning import check_entries, cut_model, manifest_plan, node_groups, plan
 from .prepare import channel_masks, prepare_from_plan, prepare_model
 from .selfcheck import SelfCheckError, choose_session
 from .portable.check import check_portable
+from .portable.recurrent import RECURRENT_OPS
 from .portable.writer import example_labels, write_portable
 
 __all__ = ["export_bundle", "plan_cost", "REWRITE_TOLERANCE", "EXPORT_STAGES"]
@@ -197,6 +198,20 @@ def resolve_backends(backend: str) -> tuple[str, ...]:
         raise ValueError(f"backend {backend!r} needs onnxruntime-training, which is not installed here (it exists "
                          "for x86_64 with Python <= 3.12); export with backend='portable'")
     return wanted
+
+
+def _check_portable_budget(trained_model: onnx.ModelProto, backends: tuple[str, ...]) -> None:
+    """Refuse a budget the portable engine cannot be held to: its step graph unrolls a recurrent
+    op over the time steps (thousands of nodes, whose session state no cost model term counts:
+    a GRU over 32 steps held ~30 MiB for 1.1k parameters)."""
+    recurrent = sorted({module_of_node(n.name) for n in trained_model.graph.node if n.op_type in RECURRENT_OPS})
+    if recurrent:
+        raise ValueError(
+            f"the memory budget cannot be kept on the portable engine: {', '.join(recurrent)} is a recurrent layer "
+            "in the trained part of the model, which its step graph unrolls over every time step. Export with "
+            "backend='ort-training' (x86_64, Python <= 3.12), freeze the layer and everything before it so its "
+            "features are cached, or export without a memory budget"
+            + ("" if backends == ("portable",) else f" (this export writes {list(backends)})"))
 
 
 def plan_cost(backend: str = "auto") -> CostModel:
@@ -377,6 +392,8 @@ def _export(model: nn.Module, example_input: torch.Tensor, out_dir: str | Path, 
                                                               allow_remat=recompute, cost=cost)
     onnxruntime.set_default_logger_severity(3)
     stages.start(EXPORT_STAGES[3])
+    if budget_bytes is not None and "portable" in backends:
+        _check_portable_budget(model_proto if split is None else split.suffix, backends)
     with staged_directory(out_dir) as stage:
         if split is not None:
             onnx.save(split.prefix, stage / PREFIX_FILE)

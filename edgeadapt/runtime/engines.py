@@ -3,10 +3,11 @@ installed, and what the caller asks for (``auto``, ``portable``, ``ort-training`
 
 ``auto`` takes the portable step graphs when the bundle holds them (they run on any onnxruntime)
 and the onnxruntime-training graphs otherwise - except for a bundle exported under a memory
-budget that also holds onnxruntime-training graphs, where that engine is installed: the cost
-model that verified the budget is calibrated on onnxruntime-training, not yet on the portable
-executor (docs/cost_model.md), so only that engine is known to keep the budget. A bundle whose
-engines are not installed is refused in one line naming the extra to install.
+budget that also holds onnxruntime-training graphs, where that engine is installed: the plan
+fits every engine the bundle holds (it is made with constants bounding each one's,
+docs/cost_model.md), but onnxruntime-training holds about half the memory per trained byte, and
+bundles exported before the portable engine's constants were measured were verified on it alone.
+A bundle whose engines are not installed is refused in one line naming the extra to install.
 """
 
 from __future__ import annotations

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gru", "lstm"]
+__all__ = ["gru", "lstm", "RECURRENT_OPS"]
+
+#: The recurrent ONNX ops the interpreter unrolls (a step graph holds one cell per time step).
+RECURRENT_OPS = frozenset({"GRU", "LSTM"})
 
 _DEFAULT_ACTIVATIONS = {"GRU": ["Sigmoid", "Tanh"], "LSTM": ["Sigmoid", "Tanh", "Tanh"]}
 

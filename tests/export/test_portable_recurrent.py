@@ -97,3 +97,16 @@ def test_a_recurrent_net_trains_whole_on_the_portable_engine(tmp_path, kind):
     result = runner.adapt(X, y, epochs=5, batch_size=8, lr=0.01, progress=False)
     assert result.steps == 10 and np.isfinite(result.epoch_losses).all()
     assert runner.evaluate(X, y).loss < before
+
+
+def test_a_budget_is_refused_where_the_portable_step_graph_unrolls_a_recurrent_layer(tmp_path):
+    """The unrolled cell's session state is not in any cost model term: a budgeted export that
+    would train through a recurrent layer on the portable engine is refused, naming the fixes."""
+    from edgeadapt.export import export_bundle
+
+    torch.manual_seed(0)
+    model = Recurrent("GRU").eval()
+    with pytest.raises(ValueError, match="rnn is a recurrent layer.*backend='ort-training'"):
+        export_bundle(model, torch.randn(4, INPUT, STEPS), tmp_path / "b", loss="mse", policy=UpdatePolicy.full(),
+                      memory_budget="64MiB", backend="portable")
+    assert not (tmp_path / "b").exists()
