@@ -51,6 +51,8 @@ INPUT_NAME, OUTPUT_NAME = "input", "output"
 # What an export does, in order (each may take seconds on a large model): the progress it reports.
 EXPORT_STAGES = ("tracing", "planning", "ONNX export", "training artifacts", "self-check")
 PREFIX_FILE = "prefix_model.onnx"
+# What the onnxruntime-training engine adds to a bundle (artifacts and its checkpoint).
+ORT_TRAINING_FILES = ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint")
 # export_bundle(backend=...): "auto" = both where onnxruntime.training is importable, else portable.
 BACKEND_CHOICES = ("auto", "portable", "ort-training", "both")
 
@@ -347,13 +349,13 @@ def export_bundle(
         return _export(model, example_input, out_dir, given_policy=given_policy, loss=loss, opt=opt,
                        batchnorm=batchnorm, budget_bytes=budget_bytes, n_windows=n_windows,
                        batch_windows=batch_windows, importance=importance, cache_features=cache_features,
-                       recompute=recompute, stages=stages, backends=backends)
+                       recompute=recompute, stages=stages, backends=backends, auto=backend == "auto")
 
 
 def _export(model: nn.Module, example_input: torch.Tensor, out_dir: str | Path, *, given_policy: UpdatePolicy | None,
             loss: str, opt: OptimizerConfig, batchnorm: str, budget_bytes: int | None, n_windows: int,
             batch_windows: int, importance: dict[str, float] | None, cache_features: bool | None, recompute: bool,
-            stages: Stages, backends: tuple[str, ...]) -> Manifest:
+            stages: Stages, backends: tuple[str, ...], auto: bool = False) -> Manifest:
     """:func:`export_bundle` once its arguments are checked, reporting :data:`EXPORT_STAGES` to ``stages``."""
     stages.start(EXPORT_STAGES[0])
     with torch.no_grad():
@@ -443,22 +445,37 @@ def _export(model: nn.Module, example_input: torch.Tensor, out_dir: str | Path, 
         manifest = draft
         if "ort-training" in backends:
             try:
-                session = choose_session(stage, draft, prepared.module, prepared.entries, example_input.numpy())
+                try:
+                    session = choose_session(stage, draft, prepared.module, prepared.entries, example_input.numpy())
+                except SelfCheckError as e:
+                    if not recomputed:
+                        raise
+                    # ONNX Runtime miscomputes some rewritten graphs (a grouped ConvGrad overwrites a
+                    # gradient buffer another branch still reads, depending on the execution order). The
+                    # graph without the copies is checked first: if it fails too, the model is the cause.
+                    training_path.write_bytes(plain_training)
+                    draft = draft_for(plan, False)
+                    session = choose_session(stage, draft, prepared.module, prepared.entries, example_input.numpy())
+                    log.warning("recompute: ONNX Runtime's training step with the rebuilt tensors does not reproduce "
+                                "torch, without them it does; exporting without recompute, planned again (%s)",
+                                str(e).splitlines()[0])
+                    plan = refit(graph, plan, allow_remat=False, cost=cost)
+                    draft = draft_for(plan, False)
+                manifest = replace(draft, session=session)
             except SelfCheckError as e:
-                if not recomputed:
+                if not (auto and portable is not None):
                     raise
-                # ONNX Runtime miscomputes some rewritten graphs (a grouped ConvGrad overwrites a
-                # gradient buffer another branch still reads, depending on the execution order). The
-                # graph without the copies is checked first: if it fails too, the model is the cause.
-                training_path.write_bytes(plain_training)
-                draft = draft_for(plan, False)
-                session = choose_session(stage, draft, prepared.module, prepared.entries, example_input.numpy())
-                log.warning("recompute: ONNX Runtime's training step with the rebuilt tensors does not reproduce "
-                            "torch, without them it does; exporting without recompute, planned again (%s)",
-                            str(e).splitlines()[0])
-                plan = refit(graph, plan, allow_remat=False, cost=cost)
-                draft = draft_for(plan, False)
-            manifest = replace(draft, session=session)
+                # backend="auto" asks for what works: the portable graphs are checked against torch
+                # below on their own; ONNX Runtime's training kernels (e.g. its BatchNorm gradient on
+                # inputs with a large offset) are left out.
+                log.warning("ONNX Runtime's training engine does not reproduce torch on this model; the bundle "
+                            "holds the portable engine only (%s)", str(e).splitlines()[0][:300])
+                for f in ORT_TRAINING_FILES:
+                    (stage / f).unlink(missing_ok=True)
+                backends = ("portable",)
+                if plan is not None and plan.recomputed:  # only the training engine rebuilds activations
+                    plan = refit(graph, plan, allow_remat=False, cost=cost)
+                manifest = draft_for(plan, False)
         if portable is not None:
             check_portable(stage, manifest, prepared.module, prepared.entries, example_input.numpy())
         manifest = stamp_contract(stage, manifest)  # last: the graphs record the final settings

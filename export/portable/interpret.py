@@ -148,6 +148,13 @@ def _max_pool(node, args, attrs):
                ceil_mode=bool(attrs.get("ceil_mode", 0)))]
 
 
+def _global_pool(reduce: Callable):
+    def op(node, args, attrs):
+        x = args[0]
+        return [reduce(x, list(range(2, x.dim())))]
+    return op
+
+
 def _gemm(node, args, attrs):
     a, b = args[0], args[1]
     if attrs.get("transA", 0):
@@ -381,6 +388,8 @@ _OPS: dict[str, OpFn] = {
     "Clip": _clip,
     "Conv": _conv,
     "MaxPool": _max_pool,
+    "GlobalAveragePool": _global_pool(lambda x, axes: x.mean(axes, keepdim=True)),
+    "GlobalMaxPool": _global_pool(lambda x, axes: x.amax(axes, keepdim=True)),
     "Gemm": _gemm,
     "MatMul": lambda node, args, attrs: [torch.matmul(args[0], args[1])],
     "Softmax": _softmax,

@@ -162,6 +162,24 @@ def _check(model: onnx.ModelProto, what: str) -> None:
 _LOSSES = "__per_window_loss"  # an extra train output while its forward graphs are cut out
 
 
+def _batch_from_data(graph: PortableGraph) -> None:
+    """Read the batch size from ``data`` wherever the traced train graph reads it from
+    ``weights`` (symbolic tracing may keep the weights' batch symbol for every batch axis, so a
+    reshape in the model's forward, such as a Flatten, would take ``Shape(weights)``): the cut
+    forward graphs have no weights input. ``weights`` is 1-D over the batch, so its shape is
+    ``data``'s first dimension (``Shape`` with ``end=1``)."""
+    from onnx import helper
+
+    names = dict(graph.inputs)
+    for node in graph.model.graph.node:
+        if node.op_type == "Shape" and node.input[0] == names["weights"]:
+            attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            start, end = attrs.get("start", 0), attrs.get("end", 1)
+            del node.attribute[:]
+            node.input[0] = names["data"]
+            node.attribute.extend([helper.make_attribute("start", start), helper.make_attribute("end", end)])
+
+
 def _without_output(graph: PortableGraph, role: str) -> PortableGraph:
     """``graph`` without its output of ``role`` (the nodes stay: the loss reads them)."""
     model = onnx.ModelProto()
@@ -270,6 +288,7 @@ def build_step_graphs(model: onnx.ModelProto, entries: Sequence[ParameterEntry],
     make("portable_train", train, [("weights", weights)],
          ["loss", "output", *[f"grad:{n}" for n in trained], *stat_roles, _LOSSES])
     full_train = out["portable_train"]
+    _batch_from_data(full_train)
     out["portable_train"] = _without_output(full_train, _LOSSES)
     # The forward of the train graph normalises as the eval graph (frozen statistics) or as the
     # statistics graph (batch statistics): that graph is cut out of it instead of traced again.
