@@ -174,6 +174,9 @@ def split_model(model: onnx.ModelProto, cut_tensor: str, *, trained_initializers
                        "the prefix must be frozen (cut earlier)")
 
     features = _value_info(model, cut_tensor)
+    if not features.type.tensor_type.HasField("shape"):
+        raise CutError(f"the shape of the cut tensor {cut_tensor!r} is unknown to ONNX shape inference (its rank "
+                       "depends on computed values); the features cannot be a model output")
     feat_type = onnx.TypeProto()
     feat_type.CopyFrom(features.type)
     feat_vi = helper.make_value_info(features_name, feat_type)

@@ -104,6 +104,13 @@ def _elementwise(fn_t: Callable, fn_i: Callable | None = None):
     return op
 
 
+def _mod(node, args, attrs):
+    # fmod=0: the remainder takes the divisor's sign (Python's %, torch.remainder); fmod=1: C's fmod
+    if attrs.get("fmod", 0):
+        return _elementwise(torch.fmod, math.fmod)(node, args, attrs)
+    return _elementwise(torch.remainder, lambda a, b: a % b)(node, args, attrs)
+
+
 def _unary(fn: Callable):
     return lambda node, args, attrs: [fn(args[0])]
 
@@ -194,6 +201,10 @@ def _reduce(fn: Callable):
 
 def _reshape(node, args, attrs):
     x, shape = args[0], _ints(args[1])
+    if _is_int(x):  # shape arithmetic: a scalar <-> a one-element vector, or a vector kept as it is
+        if len(shape) > 1 or (not shape and len(x.values) != 1):
+            raise ValueError(f"reshaping shape values {x.values} to {shape}")
+        return [Ints(x.values, len(shape))]
     if not attrs.get("allowzero", 0):
         shape = [x.shape[i] if s == 0 else s for i, s in enumerate(shape)]
     return [x.reshape(shape)]
@@ -364,6 +375,7 @@ _OPS: dict[str, OpFn] = {
     "Mul": _elementwise(torch.mul, lambda a, b: a * b),
     "Div": _elementwise(torch.div, lambda a, b: a // b),
     "Pow": _elementwise(torch.pow),
+    "Mod": _mod,
     "Max": _elementwise(torch.maximum),
     "Min": _elementwise(torch.minimum),
     "Equal": _elementwise(torch.eq),

@@ -1,6 +1,7 @@
 """Layers users put in their own nets, trained whole through portable bundles (the export's
 self-check compares each step graph with torch autograd): global pooling, windowed average
-pooling (exported as a depthwise convolution), and a
+pooling (exported as a depthwise convolution), an Unflatten into a Conv2d (its reshape's shape
+arithmetic: Mod, a reshaped shape vector; a cut tensor of unknown rank is not cached), and a
 Flatten whose reshape takes the batch size (which symbolic tracing may take from the loss
 weights, an input the cut eval graph does not have)."""
 
@@ -20,6 +21,8 @@ NETS = {
                                           nn.Linear(4, 2)),
     "adaptive-max": lambda: nn.Sequential(nn.Conv1d(3, 4, 3), nn.ReLU(), nn.AdaptiveMaxPool1d(1), nn.Flatten(),
                                           nn.Linear(4, 2)),
+    "unflatten-conv2d": lambda: nn.Sequential(nn.Unflatten(1, (1, 3)), nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(),
+                                              nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2)),
     "avg-pool": lambda: nn.Sequential(nn.Conv1d(3, 4, 3, padding=1), nn.ReLU(), nn.AvgPool1d(2, padding=1),
                                       nn.Flatten(), nn.Linear(4 * 5, 2)),
 }
