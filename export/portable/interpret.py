@@ -330,9 +330,20 @@ def _layer_norm(node, args, attrs):
     x, scale = args[0], args[1]
     bias = args[2] if len(args) > 2 else None
     axis = _axis(attrs.get("axis", -1), x.dim())
-    if any(o for o in node.output[1:]):
-        raise ValueError("LayerNormalization with mean / inverse deviation outputs is not supported")
-    return [F.layer_norm(x, tuple(x.shape[axis:]), scale, bias, attrs.get("epsilon", 1e-5))]
+    eps = attrs.get("epsilon", 1e-5)
+    y = F.layer_norm(x, tuple(x.shape[axis:]), scale, bias, eps)
+    if not any(o for o in node.output[1:]):
+        return [y]
+    # the optional outputs (torch's exporter names them even when nothing reads them)
+    dims = list(range(axis, x.dim()))
+    mean = x.mean(dims, keepdim=True)
+    inv_std = torch.rsqrt(((x - mean) ** 2).mean(dims, keepdim=True) + eps)
+    return [y, mean, inv_std]
+
+
+def _prelu(node, args, attrs):
+    x, slope = args
+    return [torch.where(x < 0, x * slope, x)]
 
 
 def _where(node, args, attrs):
@@ -395,6 +406,8 @@ _OPS: dict[str, OpFn] = {
     "Tanh": _unary(torch.tanh),
     "Sigmoid": _unary(torch.sigmoid),
     "Relu": _unary(torch.relu),
+    "LeakyRelu": lambda node, args, attrs: [F.leaky_relu(args[0], attrs.get("alpha", 0.01))],
+    "PRelu": _prelu,
     "Identity": lambda node, args, attrs: [args[0]],
     "Dropout": lambda node, args, attrs: [args[0]],  # inference form: the exporter exports in eval mode
     "Clip": _clip,

@@ -1,5 +1,6 @@
 """Layers users put in their own nets, trained whole through portable bundles (the export's
-self-check compares each step graph with torch autograd): global pooling, windowed average
+self-check compares each step graph with torch autograd): LeakyReLU, PReLU, a LayerNorm whose
+exported node names its optional outputs, global pooling, windowed average
 pooling (exported as a depthwise convolution), an Unflatten into a Conv2d (its reshape's shape
 arithmetic: Mod, a reshaped shape vector; a cut tensor of unknown rank is not cached), and a
 Flatten whose reshape takes the batch size (which symbolic tracing may take from the loss
@@ -15,7 +16,23 @@ from torch import nn
 from edgeadapt.export import UpdatePolicy, export_bundle
 from edgeadapt.runtime import Runner
 
+class OverChannels(nn.Module):
+    """A LayerNorm over the channels of (batch, channels, time): transposed around it."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(channels)
+
+    def forward(self, x):
+        return self.norm(x.transpose(1, 2)).transpose(1, 2)
+
+
+def _head(*body):
+    return nn.Sequential(nn.Conv1d(3, 4, 3, padding=1), *body, nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(4, 2))
+
+
 NETS = {
+    "leaky-prelu-layernorm": lambda: _head(nn.LeakyReLU(0.1), OverChannels(4), nn.PReLU()),
     "flatten": lambda: nn.Sequential(nn.Conv1d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6, 2)),
     "adaptive-avg": lambda: nn.Sequential(nn.Conv1d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool1d(1), nn.Flatten(),
                                           nn.Linear(4, 2)),
