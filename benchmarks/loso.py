@@ -70,6 +70,9 @@ from edgeadapt.harness.study import (  # noqa: E402
 )
 from edgeadapt.datasets.shifts import SHIFTS, shift_subject  # noqa: E402
 from edgeadapt.harness.label_free import select_label_free_settings  # noqa: E402
+from edgeadapt.export.selfcheck import SelfCheckError  # noqa: E402
+from edgeadapt.export.unsupported import UnsupportedOpError  # noqa: E402
+from edgeadapt.sched import BudgetExceeded  # noqa: E402
 from edgeadapt.units import format_bytes  # noqa: E402
 from edgeadapt.versions import code_version, host_info  # noqa: E402
 
@@ -179,6 +182,10 @@ def _markdown(result: dict) -> str:
         )
     base = [s["median_loaded_rss_bytes"] for s in summ.values() if s["median_loaded_rss_bytes"]]
     host = result["host"]
+    refused = [(f["subject"], m, why) for f in result["folds"] for m, why in f.get("refused", {}).items()]
+    if refused:  # those subjects are missing from that method's row (its mean is over the others)
+        lines += ["", "Exports refused (the method did not run for that subject; its row covers the others): "
+                  + "; ".join(f"subject {subj} {m}: {why}" for subj, m, why in refused)]
     lines += [
         "",
         f"Accuracy on each held-out subject's evaluation windows (disjoint from its "
@@ -375,9 +382,17 @@ def main(argv: list[str] | None = None) -> int:
             reports = {}
             target_data = save_target_data(split, Path(work))
             for m in methods:
-                r = run_method(m, model, args.model, split, target_data, Path(work) / m, epochs=args.epochs,
-                               lr=lrs[m], seed=args.seed, threads=args.threads,
-                               unlabeled=label_free[m].settings if m in label_free else None)
+                try:
+                    r = run_method(m, model, args.model, split, target_data, Path(work) / m, epochs=args.epochs,
+                                   lr=lrs[m], seed=args.seed, threads=args.threads,
+                                   unlabeled=label_free[m].settings if m in label_free else None)
+                except (SelfCheckError, UnsupportedOpError, BudgetExceeded) as e:
+                    # the export refused this subject's bundle: the method does not run for it (no row)
+                    reason = str(e).splitlines()[0][:400]
+                    fold.setdefault("refused", {})[m] = reason
+                    print(f"  [{i + 1}/{len(subjects)}] subject {target} {m:<10} export refused: {reason}",
+                          flush=True)
+                    continue
                 if r["torch_imported"]:
                     raise RuntimeError("internal: the adaptation process imported torch")
                 manifest = json.loads((Path(work) / m / "bundle" / "manifest.json").read_text())

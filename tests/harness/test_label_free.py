@@ -40,3 +40,25 @@ def test_loso_accepts_label_free(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "loso.py"), "--help"], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0 and "label-free" in proc.stdout and "--target-shift" in proc.stdout
+
+
+def test_loso_reports_a_refused_export_and_the_subjects_each_row_covers():
+    """A method whose export is refused for one subject (e.g. the self-check) does not run for it:
+    the study goes on, that method's row covers the other subjects, and the table says which."""
+    import importlib.util
+    import json
+
+    from tests.helpers import REPO
+
+    spec = importlib.util.spec_from_file_location("loso", REPO / "benchmarks" / "loso.py")
+    loso = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loso)
+    result = json.loads((REPO / "benchmarks" / "results" / "loso_synthetic_cnn_label_free_gain-offset_all.json")
+                        .read_text())
+    result["rows"] = [r for r in result["rows"] if not (r["subject"] == 1 and r["method"] == "entropy")]
+    result["folds"][1]["refused"] = {"entropy": "the portable step graphs do not reproduce torch on this model"}
+    result["summary"] = loso._summary(result["rows"], ["source-only", "bn-stats", "entropy", "label-free"])
+    assert result["summary"]["entropy"]["n_subjects"] == result["summary"]["bn-stats"]["n_subjects"] - 1
+    md = loso._markdown(result)
+    assert "Exports refused (the method did not run for that subject" in md
+    assert "subject 1 entropy: the portable step graphs do not reproduce torch" in md
