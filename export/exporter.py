@@ -51,8 +51,9 @@ INPUT_NAME, OUTPUT_NAME = "input", "output"
 # What an export does, in order (each may take seconds on a large model): the progress it reports.
 EXPORT_STAGES = ("tracing", "planning", "ONNX export", "training artifacts", "self-check")
 PREFIX_FILE = "prefix_model.onnx"
-# What the onnxruntime-training engine adds to a bundle (artifacts and its checkpoint).
-ORT_TRAINING_FILES = ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint")
+# What the onnxruntime-training engine adds to a bundle (artifacts and its checkpoint), by manifest role.
+ORT_TRAINING_FILES = {"training_model": "training_model.onnx", "eval_model": "eval_model.onnx",
+                      "optimizer_model": "optimizer_model.onnx", "checkpoint": "checkpoint"}
 # export_bundle(backend=...): "auto" = both where onnxruntime.training is importable, else portable.
 BACKEND_CHOICES = ("auto", "portable", "ort-training", "both")
 
@@ -238,8 +239,7 @@ def _draft_manifest(stage: Path, entries, loss: str, opt: OptimizerConfig, batch
                     portable_files: dict | None = None, portable: dict | None = None) -> Manifest:
     files = {"masks": "masks.npz"}
     if "ort-training" in backends:
-        files.update({"training_model": "training_model.onnx", "eval_model": "eval_model.onnx",
-                      "optimizer_model": "optimizer_model.onnx", "checkpoint": "checkpoint"})
+        files.update(ORT_TRAINING_FILES)
     files.update(portable_files or {})
     if (stage / PREFIX_FILE).exists():
         files["prefix_model"] = PREFIX_FILE
@@ -401,7 +401,7 @@ def _export(model: nn.Module, example_input: torch.Tensor, out_dir: str | Path, 
             onnx.save(split.prefix, stage / PREFIX_FILE)
         trained_model = model_proto if split is None else split.suffix
         plain_training, recomputed = b"", []
-        training_path = stage / "training_model.onnx"
+        training_path = stage / ORT_TRAINING_FILES["training_model"]
         if "ort-training" in backends:
             _generate(trained_model, entries, loss, opt, stage)
             check_grouped_conv_grads(onnx.load(training_path, load_external_data=False))
@@ -412,7 +412,7 @@ def _export(model: nn.Module, example_input: torch.Tensor, out_dir: str | Path, 
             if plan is not None and plan.recomputed:
                 plain_training = training_path.read_bytes()
                 plan, recomputed = _bake_recompute(training_path, model_proto, graph, plan, cost)
-            for f in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx",
+            for f in (*(ORT_TRAINING_FILES[r] for r in ("training_model", "eval_model", "optimizer_model")),
                       *([PREFIX_FILE] if split else [])):
                 ir = onnx.load(stage / f, load_external_data=False).ir_version
                 if ir > MAX_IR_VERSION:
@@ -470,7 +470,7 @@ def _export(model: nn.Module, example_input: torch.Tensor, out_dir: str | Path, 
                 # inputs with a large offset) are left out.
                 log.warning("ONNX Runtime's training engine does not reproduce torch on this model; the bundle "
                             "holds the portable engine only (%s)", str(e).splitlines()[0][:300])
-                for f in ORT_TRAINING_FILES:
+                for f in ORT_TRAINING_FILES.values():
                     (stage / f).unlink(missing_ok=True)
                 backends = ("portable",)
                 if plan is not None and plan.recomputed:  # only the training engine rebuilds activations
