@@ -9,9 +9,15 @@ No label is available, so the gate compares the two models on *held-back* unlabe
   perturbations; adaptation that broke the features loses agreement.
 * **collapse**: the share of the most predicted class and the mean prediction entropy.
 * **prediction change**: the fraction of held-back windows the adapted model classifies
-  differently from the source model (large changes on little data are a risk, not evidence).
+  differently from the source model (off by default: a subject the source model gets wrong
+  needs many changes).
 
 :func:`decide` keeps the adaptation only when every criterion passes and reports which failed.
+Agreement is compared pair by pair, on the same windows and views (McNemar): with ``lost`` the
+(window, view) pairs on which only the source model agrees and ``won`` those on which only the
+adapted one does, the adaptation is refused when ``lost - won > agreement_margin_sd *
+sqrt(lost + won)``, the difference more than that many standard deviations of its noise. A
+single flip among eight windows is noise; a consistent loss is evidence of harm.
 """
 
 from __future__ import annotations
@@ -20,8 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["GateSettings", "ModelEvidence", "GateDecision", "augmented_views", "evidence", "decide",
-           "softmax", "normalized_entropy", "collapsed"]
+__all__ = ["GateSettings", "ModelEvidence", "GateDecision", "augmented_views", "evidence", "agreement_changes",
+           "decide", "softmax", "normalized_entropy", "collapsed"]
 
 # Perturbations of augmented_views, in units of the (normalised) input: per-channel gain factor
 # exp(U(-g, g)), additive Gaussian noise of this fraction of each window's channel std, circular
@@ -36,22 +42,25 @@ class GateSettings:
     """Thresholds of :func:`decide`.
 
     Attributes:
-        agreement_tolerance: the adapted model's view agreement may fall at most this much
-            below the source model's.
-        max_changed_fraction: at most this fraction of held-back windows may change class.
+        agreement_margin_sd: the adapted model's view-agreement losses may exceed its gains
+            by at most this many standard deviations (module docstring; 0: any net loss refuses).
+        max_changed_fraction: at most this fraction of held-back windows may change class
+            (1: no limit).
         collapse_share: a model predicting one class for more than this share of windows (when
             the source model did not) has collapsed.
         collapse_entropy: ... or one whose mean normalised entropy fell below this (and below
             half the source model's).
     """
 
-    agreement_tolerance: float = 0.0
-    max_changed_fraction: float = 0.5
+    agreement_margin_sd: float = 1.0
+    max_changed_fraction: float = 1.0
     collapse_share: float = 0.9
     collapse_entropy: float = 0.01
 
     def __post_init__(self) -> None:
-        for name in ("agreement_tolerance", "max_changed_fraction", "collapse_share", "collapse_entropy"):
+        if not (isinstance(self.agreement_margin_sd, (int, float)) and 0 <= self.agreement_margin_sd < float("inf")):
+            raise ValueError(f"agreement_margin_sd must be a finite number >= 0, got {self.agreement_margin_sd!r}")
+        for name in ("max_changed_fraction", "collapse_share", "collapse_entropy"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 <= value <= 1):
                 raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
@@ -67,12 +76,14 @@ class ModelEvidence:
         mean_entropy: mean prediction entropy over windows, divided by log(classes) (0..1).
         max_class_share: share of windows given the most predicted class.
         classes: the predicted class of every held-back window (clean view).
+        view_agrees: per view, then per window: whether the view's class equals the clean one.
     """
 
     view_agreement: float
     mean_entropy: float
     max_class_share: float
     classes: tuple[int, ...]
+    view_agrees: tuple[bool, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -129,10 +140,11 @@ def evidence(clean_logits: np.ndarray, view_logits: list[np.ndarray]) -> ModelEv
     """:class:`ModelEvidence` from a model's logits on the held-back windows and on their views."""
     probs = softmax(clean_logits)
     classes = probs.argmax(axis=1)
-    agreement = float(np.mean([(v.argmax(axis=1) == classes).mean() for v in view_logits])) if view_logits else 1.0
+    agrees = np.concatenate([v.argmax(axis=1) == classes for v in view_logits]) if view_logits else np.ones(0, bool)
+    agreement = float(agrees.mean()) if len(agrees) else 1.0
     share = np.bincount(classes, minlength=probs.shape[1]).max() / len(classes)
     return ModelEvidence(agreement, float(normalized_entropy(probs).mean()), float(share),
-                         tuple(int(c) for c in classes))
+                         tuple(int(c) for c in classes), tuple(bool(a) for a in agrees))
 
 
 def collapsed(model: ModelEvidence, source: ModelEvidence, settings: GateSettings) -> str | None:
@@ -145,17 +157,28 @@ def collapsed(model: ModelEvidence, source: ModelEvidence, settings: GateSetting
     return None
 
 
+def agreement_changes(source: ModelEvidence, adapted: ModelEvidence) -> tuple[int, int]:
+    """(window, view) pairs on which only the source model agrees, and only the adapted one."""
+    if len(source.view_agrees) != len(adapted.view_agrees):
+        raise ValueError("the two models' evidence covers different windows or views")
+    a, b = np.asarray(source.view_agrees, bool), np.asarray(adapted.view_agrees, bool)
+    return int((a & ~b).sum()), int((~a & b).sum())
+
+
 def decide(source: ModelEvidence, adapted: ModelEvidence, settings: GateSettings) -> GateDecision:
-    """Keep the adaptation when it has not collapsed, its view agreement is at least the source
-    model's minus the tolerance, and it changes at most ``max_changed_fraction`` of classes."""
+    """Keep the adaptation when it has not collapsed, has not lost view agreement beyond the
+    noise (module docstring), and changes at most ``max_changed_fraction`` of classes."""
     n = len(source.classes)
     changed = float(np.mean(np.array(source.classes) != np.array(adapted.classes))) if n else 0.0
     reasons = []
     why = collapsed(adapted, source, settings)
     if why:
         reasons.append(f"collapse: {why}")
-    if adapted.view_agreement < source.view_agreement - settings.agreement_tolerance:
-        reasons.append(f"view agreement fell from {source.view_agreement:.3f} to {adapted.view_agreement:.3f}")
+    lost, won = agreement_changes(source, adapted)
+    if lost - won > settings.agreement_margin_sd * np.sqrt(lost + won):
+        reasons.append(f"view agreement fell from {source.view_agreement:.3f} to {adapted.view_agreement:.3f} "
+                       f"({lost} window-views lost, {won} won: more than {settings.agreement_margin_sd:g} "
+                       "standard deviations)")
     if changed > settings.max_changed_fraction:
         reasons.append(f"{changed:.0%} of held-back windows changed class (limit "
                        f"{settings.max_changed_fraction:.0%})")

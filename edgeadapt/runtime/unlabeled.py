@@ -4,11 +4,23 @@
 three stages, each optional (:class:`UnlabeledSettings`):
 
 1. **Source-anchored normalisation statistics** (Schneider et al. 2020): every BatchNorm's
-   running mean and variance become ``(1 - w) * source + w * target`` with
-   ``w = n / (n + stats_prior_windows)`` for ``n`` target windows seen, so that a few windows
-   move the statistics a little and many move them far. The target statistics come from the
-   backend's forward-only statistics pass (the one ``bn-stats`` runs), accumulated over batches
-   as per-channel sums (fixed size, however many windows arrive). Needs ``batchnorm="batch"``.
+   running mean and variance become ``(1 - w) * source + w * target``. The target statistics
+   come from the backend's forward-only statistics pass (the one ``bn-stats`` runs),
+   accumulated over batches as per-channel sums (fixed size, however many windows arrive).
+   Needs ``batchnorm="batch"``. The weight ``w`` (``stats_weighting``):
+
+   * ``"shrinkage"`` (default), one ``w`` per BatchNorm, set by the evidence: the target
+     statistics are an estimate whose sampling noise is measured from how much they vary
+     between small groups of windows (a cluster estimate, so windows of one activity or one
+     stretch of time count as one piece of evidence). The source statistics are the prior, and
+     the empirical-Bayes (positive-part James-Stein) weight is
+     ``w = max(0, 1 - noise / discrepancy)`` over the layer's channels, where the discrepancy
+     is the squared distance of target from source (means in source standard deviations, plus
+     log-variances) and the noise its expected value were there no shift. A subject far from
+     the source gets ``w`` near 1 (``bn-stats``), one within the noise keeps the source's; more
+     windows lower the noise and raise ``w``.
+   * ``"count"``: ``w = n / (n + stats_prior_windows)`` for ``n`` target windows seen, whatever
+     the shift.
 2. **Entropy minimisation on reliable windows with an anchor** (EATA-like): optimizer steps of
    the bundle's entropy loss on the windows whose normalised prediction entropy is below
    ``entropy_threshold`` only; after each step every trained tensor is pulled back toward its
@@ -45,8 +57,16 @@ import numpy as np
 from .head_features import HeadFeatures
 from .peaks import AdaptPeaks
 from .safety_gate import (
-    GateDecision, GateSettings, augmented_views, collapsed, decide, evidence, normalized_entropy, softmax,
+    GateDecision,
+    GateSettings,
+    augmented_views,
+    collapsed,
+    decide,
+    evidence,
+    normalized_entropy,
+    softmax,
 )
+from .stats_shrinkage import GroupedStatistics, shrinkage_weight
 
 __all__ = ["UnlabeledSettings", "UnlabeledResult", "UnlabeledAdapter", "adapt_unlabeled", "adapt_stream"]
 
@@ -55,8 +75,19 @@ log = logging.getLogger(__name__)
 _STATS_SUFFIXES = ("running_mean", "running_var")
 # Windows per forward-only statistics pass (bounds its activations; batches of a stream are smaller).
 STATS_BATCH_WINDOWS = 64
+# "shrinkage": windows per group whose statistics measure the sampling noise (each batch of a
+# stream is cut into groups of at most this many), and the fewest groups the noise needs;
+# with fewer the source statistics stay.
+STATS_GROUP_WINDOWS = 4
+MIN_STATS_GROUPS = 3
+STATS_WEIGHTINGS = ("shrinkage", "count")
 # Reset messages kept for the result (the count covers all of them): a stream stays bounded.
 MAX_RESETS_KEPT = 16
+
+
+def _var_name(mean_name: str) -> str:
+    """The ``running_var`` beside a ``running_mean``."""
+    return mean_name[:-len("running_mean")] + "running_var"
 
 
 @dataclass(frozen=True)
@@ -65,8 +96,12 @@ class UnlabeledSettings:
     chosen on source subjects only (``benchmarks/label_free_settings.py``; README).
 
     Attributes:
-        stats_prior_windows: ``N0`` of the statistics weight ``w = n / (n + N0)``; ``inf``: the
-            source statistics stay (stage 1 off); 0: the target's replace them (``bn-stats``).
+        stats_prior_windows: ``inf``: the source statistics stay (stage 1 off); otherwise, with
+            ``stats_weighting="count"``, ``N0`` of the weight ``w = n / (n + N0)`` (0: the
+            target's replace them, ``bn-stats``).
+        stats_weighting: ``"shrinkage"`` (``w`` per BatchNorm from the evidence: the shift
+            against the sampling noise) or ``"count"`` (``w`` from the window count); see the
+            module docstring.
         entropy_steps: optimizer steps of stage 2 per :meth:`UnlabeledAdapter.update` (0: off).
         lr: learning rate of those steps.
         entropy_threshold: windows with normalised entropy below this train (reliable ones).
@@ -84,6 +119,7 @@ class UnlabeledSettings:
     """
 
     stats_prior_windows: float = 64.0
+    stats_weighting: str = "shrinkage"
     entropy_steps: int = 0
     lr: float = 1e-3
     entropy_threshold: float = 0.4
@@ -102,6 +138,8 @@ class UnlabeledSettings:
     def __post_init__(self) -> None:
         if isinstance(self.gate_settings, dict):
             object.__setattr__(self, "gate_settings", GateSettings(**self.gate_settings))
+        if self.stats_weighting not in STATS_WEIGHTINGS:
+            raise ValueError(f"stats_weighting must be one of {STATS_WEIGHTINGS}, got {self.stats_weighting!r}")
         if not (self.stats_prior_windows >= 0):
             raise ValueError("stats_prior_windows must be >= 0 (inf: keep the source's), "
                              f"got {self.stats_prior_windows}")
@@ -147,7 +185,8 @@ class UnlabeledResult:
         resets: the last resets (at most ``MAX_RESETS_KEPT``): the stage (or ``gate``, in a
             stream) and what was seen; n_resets: how many there were in all.
         n_adapt_windows: windows adapted on; n_gate_windows: windows held back for the gate.
-        stats_weight: the final target weight ``w`` of the statistics (0 when not applied).
+        stats_weight: the final target weight ``w`` of the statistics, averaged over the
+            BatchNorm layers (0 when not applied); stats_layer_weights: each layer's ``w``.
         steps: entropy optimizer steps taken; updates: batches seen.
         settings: the settings used (JSON form).
         time_s: wall time; call_peak_bytes / call_peak_anon_bytes: the call's memory over the
@@ -170,6 +209,7 @@ class UnlabeledResult:
     time_s: float
     call_peak_bytes: int | None = None
     call_peak_anon_bytes: int | None = None
+    stats_layer_weights: dict[str, float] = field(default_factory=dict)
 
 
 class UnlabeledAdapter:
@@ -226,6 +266,7 @@ class UnlabeledAdapter:
         self._stats_sum = {n: np.zeros_like(self._source[n], dtype=np.float64) for n in self._stats_names
                            if n.endswith("running_mean")}
         self._stats_sq = {n: np.zeros_like(v) for n, v in self._stats_sum.items()}
+        self._stats_groups = {n: GroupedStatistics(v.shape) for n, v in self._stats_sum.items()}
         self._proto_sum: np.ndarray | None = None
         self._proto_n: np.ndarray | None = None
         self._entropy_applied = 0
@@ -273,8 +314,8 @@ class UnlabeledAdapter:
         return evidence(self._logits(X), [self._logits(v) for v in views])
 
     # ---- stages -------------------------------------------------------------------------
-    def _target_statistics(self, X: np.ndarray) -> None:
-        """Add the batch's per-channel statistics to the sums (see module docstring).
+    def _batch_statistics(self, X: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Per BatchNorm (by its ``running_mean`` name): the batch's per-channel mean and variance.
 
         The backend's statistics pass returns ``m * previous + (1 - m) * batch`` for each
         running statistic (``m`` the BatchNorm momentum); run from zeros it returns
@@ -297,30 +338,53 @@ class UnlabeledAdapter:
             one = run_from(1.0)
             self._momentum = {n: (one[n] - zero[n]).astype(np.float64) for n in self._stats_names}
         self._put(kept)
-        b = len(X)
-        for n in self._stats_sum:
-            var_name = n[:-len("running_mean")] + "running_var"
-            mean = zero[n] / (1.0 - self._momentum[n])
-            var = zero[var_name] / (1.0 - self._momentum[var_name])
-            self._stats_sum[n] += b * mean
-            self._stats_sq[n] += b * (var + mean * mean)
-        self._stats_n += b
+        return {n: (zero[n] / (1.0 - self._momentum[n]), zero[_var_name(n)] / (1.0 - self._momentum[_var_name(n)]))
+                for n in self._stats_sum}
+
+    def _target_statistics(self, X: np.ndarray) -> None:
+        """Add the windows' per-channel statistics to the sums: pooled over passes of at most
+        ``STATS_BATCH_WINDOWS`` windows, and (``"shrinkage"``) per group of at most
+        ``STATS_GROUP_WINDOWS`` consecutive windows for the sampling noise."""
+        for start in range(0, len(X), STATS_BATCH_WINDOWS):
+            part = X[start:start + STATS_BATCH_WINDOWS]
+            for n, (mean, var) in self._batch_statistics(part).items():
+                self._stats_sum[n] += len(part) * mean
+                self._stats_sq[n] += len(part) * (var + mean * mean)
+            self._stats_n += len(part)
+        if self.settings.stats_weighting == "shrinkage":
+            for start in range(0, len(X), STATS_GROUP_WINDOWS):
+                part = X[start:start + STATS_GROUP_WINDOWS]
+                for n, (mean, var) in self._batch_statistics(part).items():
+                    self._stats_groups[n].add(mean, var, len(part))
+
+    def _pooled(self, n: str) -> tuple[np.ndarray, np.ndarray]:
+        """The target's per-channel mean and variance over every window seen."""
+        mean = self._stats_sum[n] / self._stats_n
+        return mean, np.maximum(self._stats_sq[n] / self._stats_n - mean * mean, 0.0)
+
+    def layer_weights(self) -> dict[str, float]:
+        """Each BatchNorm's target weight ``w`` (keyed by its ``running_mean`` name) for the
+        windows accumulated so far; empty when stage 1 is off or has seen nothing."""
+        if not self._stats_on or not self._stats_n:
+            return {}
+        s = self.settings
+        if s.stats_weighting == "count":
+            return dict.fromkeys(self._stats_sum, self._stats_n / (self._stats_n + s.stats_prior_windows))
+        return {n: shrinkage_weight(self._source[n], self._source[_var_name(n)], *self._pooled(n),
+                                    self._stats_groups[n], MIN_STATS_GROUPS) for n in self._stats_sum}
 
     @property
     def stats_weight(self) -> float:
-        """``w = n / (n + N0)`` for the target windows accumulated so far (0 when stage 1 is off)."""
-        if not self._stats_on or not self._stats_n:
-            return 0.0
-        return self._stats_n / (self._stats_n + self.settings.stats_prior_windows)
+        """The target weight ``w`` averaged over the BatchNorm layers (0 when stage 1 is off)."""
+        weights = self.layer_weights()
+        return float(np.mean(list(weights.values()))) if weights else 0.0
 
     def _apply_statistics(self) -> None:
-        w = self.stats_weight
-        for n in self._stats_sum:
-            var_name = n[:-len("running_mean")] + "running_var"
-            mean = self._stats_sum[n] / self._stats_n
-            var = np.maximum(self._stats_sq[n] / self._stats_n - mean * mean, 0.0)
+        for n, w in self.layer_weights().items():
+            mean, var = self._pooled(n)
+            v = _var_name(n)
             self._backend.set_tensor(n, ((1 - w) * self._source[n] + w * mean).astype(np.float32))
-            self._backend.set_tensor(var_name, ((1 - w) * self._source[var_name] + w * var).astype(np.float32))
+            self._backend.set_tensor(v, ((1 - w) * self._source[v] + w * var).astype(np.float32))
 
     def _entropy_steps(self, X: np.ndarray) -> None:
         s = self.settings
@@ -396,8 +460,7 @@ class UnlabeledAdapter:
         reference = evidence(self._logits(X), []) if self._head is not None else None
         if self._stats_on:
             before = self._take(self._stats_names)
-            for start in range(0, len(X), STATS_BATCH_WINDOWS):
-                self._target_statistics(X[start:start + STATS_BATCH_WINDOWS])
+            self._target_statistics(X)
             self._apply_statistics()
             if reference is not None and self._check_collapse("stats", X, before, reference):
                 self._stats_on = False
@@ -450,6 +513,7 @@ class UnlabeledAdapter:
         stages = self.stages()
         kept = bool(stages) and (decision is None or decision.kept)
         weight = self.stats_weight if "stats" in stages else 0.0
+        layer_weights = self.layer_weights() if kept and "stats" in stages else {}
         if not kept:
             self.reset()
             self.runner._clean_checkpoint = None
@@ -461,7 +525,8 @@ class UnlabeledAdapter:
         return UnlabeledResult(kept, decision, stages if kept else (), tuple(self._skipped), tuple(self._resets),
                                self._n_resets,
                                self._n_adapt, self._gate_fill, weight if kept else 0.0, self._steps, self._updates,
-                               self.settings.to_dict(), time.perf_counter() - self._start)
+                               self.settings.to_dict(), time.perf_counter() - self._start,
+                               stats_layer_weights=layer_weights)
 
 
 def _with_peaks(result: UnlabeledResult, peaks: AdaptPeaks) -> UnlabeledResult:
@@ -488,7 +553,7 @@ def adapt_unlabeled(runner, X: np.ndarray, settings: UnlabeledSettings | None = 
         n_gate = min(settings.gate_windows, max(1, int(round(settings.gate_fraction * len(X)))))
         if settings.gate:
             adapter.hold_back(X[order[:n_gate]], last=True)
-            adapter.update(X[order[n_gate:]])
+            adapter.update(X[np.sort(order[n_gate:])])  # the caller's order: groups of neighbours
         else:
             adapter.update(X)
         result = adapter.finish()

@@ -95,8 +95,14 @@ def init_from_env(device_type: str = "cpu") -> DistContext:
 
 
 def shutdown(ctx: DistContext) -> None:
-    """Destroys the default process group if :func:`init_from_env` created it."""
+    """Destroys the default process group if :func:`init_from_env` created it.
+
+    Every rank first waits at a barrier: a rank that tears its connections down while a peer
+    is still working (rank 0 writing a checkpoint, say) can leave the peer's gloo threads
+    failing on a closed socket, which aborts that process as it exits.
+    """
     if ctx.initialised_here and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -14,7 +14,9 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from edgeadapt.runtime.safety_gate import GateSettings, ModelEvidence, augmented_views, decide, evidence
+from edgeadapt.runtime.safety_gate import (
+    GateSettings, ModelEvidence, agreement_changes, augmented_views, decide, evidence,
+)
 from edgeadapt.runtime.unlabeled import UnlabeledAdapter, UnlabeledSettings
 
 N_CLASSES = 3
@@ -77,11 +79,12 @@ def accuracy(runner, X, y) -> float:
 
 
 def test_source_anchored_statistics_weight_and_values(toy_bundle):
-    """A common offset on every channel is removed in proportion w = n / (n + N0)."""
+    """Count weighting: a common offset on every channel is removed in proportion w = n / (n + N0)."""
     X, y = balanced(20)
     offset = np.float32(4.0)
     runner = load(toy_bundle)
-    adapter = UnlabeledAdapter(runner, UnlabeledSettings(**{**OFF, "stats_prior_windows": 20.0}))
+    adapter = UnlabeledAdapter(runner, UnlabeledSettings(**{**OFF, "stats_prior_windows": 20.0,
+                                                            "stats_weighting": "count"}))
     adapter.update(X + offset)
     n = len(X)
     w = n / (n + 20.0)
@@ -94,6 +97,38 @@ def test_source_anchored_statistics_weight_and_values(toy_bundle):
     # tolerance: the sample mean/var of 60 windows x 8 steps of noise std 0.1 (a few 1e-2 at most)
     np.testing.assert_allclose(mean, w * target_mean, atol=0.05)
     np.testing.assert_allclose(var, (1 - w) * 1.0 + w * target_var, rtol=0.05)
+
+
+def like_the_source(n: int, seed: int) -> np.ndarray:
+    """Windows whose statistics are the toy's source ones (mean 0, variance 1 per channel): the
+    windows' means spread with variance 1 - NOISE^2, the noise adds the rest."""
+    rng = np.random.default_rng(seed)
+    return windows(np.sqrt(1 - NOISE**2) * rng.standard_normal((n, N_CLASSES)), seed)
+
+
+def test_shrinkage_weight_follows_the_evidence_of_a_shift(toy_bundle):
+    """Shrinkage weighting: windows drawn like the source keep the source statistics in most
+    draws (the toy has 3 channels, so the layer's estimate is noisy: the mean over 10 draws stays
+    small); the same windows offset by 4 source standard deviations take (nearly) the target's,
+    the running mean moves by w x the target's mean, and the result reports each layer's weight."""
+    settings = UnlabeledSettings(**{**OFF, "stats_prior_windows": 64.0})
+    assert settings.stats_weighting == "shrinkage"
+    same = []
+    for seed in range(10):
+        X = like_the_source(40, seed)
+        adapter = UnlabeledAdapter(load(toy_bundle), settings)
+        adapter.update(X)
+        same.append(adapter.stats_weight)
+        runner = load(toy_bundle)
+        shifted = UnlabeledAdapter(runner, settings)
+        shifted.update(X + np.float32(4.0))
+        w = shifted.layer_weights()
+        assert list(w) == ["bn.running_mean"] and w["bn.running_mean"] > 0.95
+        target_mean = X.mean(axis=(0, 2)) + 4.0
+        np.testing.assert_allclose(runner._backend.get_tensor("bn.running_mean"),
+                                   w["bn.running_mean"] * target_mean, atol=1e-4)
+        assert shifted.finish().stats_layer_weights == pytest.approx(w)
+    assert np.median(same) == 0.0 and np.mean(same) < 0.3, same
 
 
 def test_statistics_repair_an_offset_that_fools_the_source(toy_bundle):
@@ -180,7 +215,8 @@ def test_gate_returns_to_source_when_adaptation_breaks_the_model(toy_bundle):
     X = windows(np.tile(AMPLITUDE * np.eye(N_CLASSES)[1], (40, 1)), seed=2)
     runner = load(toy_bundle)
     source = {n: runner._backend.get_tensor(n) for n in runner._backend.parameter_names()}
-    result = runner.adapt_unlabeled(X, UnlabeledSettings(stats_prior_windows=0.0, prototype_mix=0.0,
+    result = runner.adapt_unlabeled(X, UnlabeledSettings(stats_prior_windows=0.0, stats_weighting="count",
+                                                         prototype_mix=0.0,
                                                          gate_fraction=0.5))
     assert not result.kept and result.gate is not None and not result.gate.kept
     assert result.gate.reasons
@@ -202,9 +238,36 @@ def test_gate_keeps_a_helpful_adaptation(toy_bundle):
     assert accuracy(runner, X, y) > 0.95
 
 
-def evidence_of(agreement: float, entropy: float, classes: list[int]) -> ModelEvidence:
+def evidence_of(agreement: float, entropy: float, classes: list[int], views: int = 2) -> ModelEvidence:
+    """Evidence whose first round(agreement x pairs) (window, view) pairs agree."""
     share = np.bincount(classes).max() / len(classes)
-    return ModelEvidence(agreement, entropy, float(share), tuple(classes))
+    pairs = views * len(classes)
+    agrees = tuple(i < round(agreement * pairs) for i in range(pairs))
+    return ModelEvidence(agreement, entropy, float(share), tuple(classes), agrees)
+
+
+@pytest.mark.parametrize("lost, won, margin_sd, kept", [
+    (1, 0, 1.0, True),    # one flip among 40 pairs: 1 > 1 x sqrt(1) is false
+    (2, 0, 1.0, False),   # 2 > sqrt(2)
+    (3, 1, 1.0, True),    # net 2, noise sqrt(4) = 2
+    (5, 1, 1.0, False),   # net 4 > sqrt(6)
+    (1, 0, 0.0, False),   # margin 0: any net loss refuses
+    (0, 3, 1.0, True),    # only gains
+])
+def test_gate_agreement_is_a_paired_comparison(lost, won, margin_sd, kept):
+    classes = [0, 1, 2, 0] * 5
+    base = [True] * 30 + [False] * 10
+    adapted_agrees = list(base)
+    for i in range(lost):          # pairs the source gets and the adapted model loses
+        adapted_agrees[i] = False
+    for i in range(won):           # pairs only the adapted model gets
+        adapted_agrees[30 + i] = True
+    source = ModelEvidence(0.75, 0.3, 0.5, tuple(classes), tuple(base))
+    adapted = ModelEvidence(float(np.mean(adapted_agrees)), 0.3, 0.5, tuple(classes), tuple(adapted_agrees))
+    assert agreement_changes(source, adapted) == (lost, won)
+    decision = decide(source, adapted, GateSettings(agreement_margin_sd=margin_sd))
+    assert decision.kept == kept
+    assert kept or "view agreement" in decision.reasons[0]
 
 
 @pytest.mark.parametrize("adapted, reason", [
