@@ -69,6 +69,7 @@ from torch import nn
 from ..bundle import BundleError, Manifest, ParameterEntry
 from .unsupported import unsupported_from_ort_error
 from .objectives import torch_loss
+from .kink_noise import KinkAllowance
 from .reduction_noise import ReductionBounds, reduction_allowance
 
 __all__ = [
@@ -203,7 +204,8 @@ def compare_tensor(what: str, got: np.ndarray, want: np.ndarray, rtol: float, at
 
 
 def compare_gradients(got: dict[str, np.ndarray], want: dict[str, np.ndarray], bounds: dict[str, np.ndarray],
-                      suffix: str = "", spread: dict[str, float] | None = None) -> list[Deviation]:
+                      suffix: str = "", spread: dict[str, float] | None = None,
+                      kinks: dict[str, float] | None = None) -> list[Deviation]:
     """Compare gradients tensor by tensor (see the module docstring for the criterion). The one
     gradient criterion of the project: the export self-check and the parity tests use it.
 
@@ -215,13 +217,15 @@ def compare_gradients(got: dict[str, np.ndarray], want: dict[str, np.ndarray], b
         suffix: appended to each description (e.g. the batch size).
         spread: per name, how far torch's own float32 gradient is from ``want`` (its norm); it
             is added to the allowance, since a float32 engine cannot be asked to do better.
+        kinks: per name, the gradient's change were every activation element within float32
+            rounding of a kink on the other side (:mod:`.kink_noise`); added to the allowance.
     """
     scale = max((_norm(g) for g in want.values()), default=0.0)
     zero_level = GRAD_ATOL * scale
     out = []
     for name, g in want.items():
         rounding = REDUCTION_FACTOR * reduction_allowance(bounds[name])
-        extra = rounding + SPREAD_FACTOR * (spread or {}).get(name, 0.0)
+        extra = rounding + SPREAD_FACTOR * (spread or {}).get(name, 0.0) + (kinks or {}).get(name, 0.0)
         ref = _norm(g)
         # The cosine criterion follows the allowance: an error e at norm r allows 1 - cos ~ (e/r)^2 / 2.
         eps = max(COSINE_EPS, 2.0 * (extra / ref) ** 2) if ref > 0 else COSINE_EPS
@@ -281,10 +285,11 @@ def _labels(manifest: Manifest, n: int) -> np.ndarray | None:
 
 def _torch_reference(module: nn.Module, batchnorm: str, x: np.ndarray, y: np.ndarray | None, loss: str,
                      torch_names: list[str]) -> tuple[float, np.ndarray, dict[str, np.ndarray], dict[str, float],
-                                                      dict[str, np.ndarray]]:
+                                                      dict[str, np.ndarray], dict[str, float]]:
     """Loss, output and gradients of the prepared model in float64 (where the model allows it),
-    per gradient how far torch's float32 result is from it, and per gradient the float32
-    rounding bound of its final reduction (:mod:`.reduction_noise`, from the same pass).
+    per gradient how far torch's float32 result is from it, per gradient the float32 rounding
+    bound of its final reduction (:mod:`.reduction_noise`, from the same pass), and per gradient
+    the allowance for activations at a kink (:mod:`.kink_noise`, from the same pass).
 
     Against a float64 reference ONNX Runtime's own float32 error is what is measured; torch's
     float32 kernels are themselves off by up to ~2e-4 of a gradient's norm in some shapes (the
@@ -293,19 +298,21 @@ def _torch_reference(module: nn.Module, batchnorm: str, x: np.ndarray, y: np.nda
     the largest). That float32 spread is measured per tensor and allowed (``SPREAD_FACTOR`` x) on
     top.
     """
-    loss32, out32, grads32, bounds32 = _torch_pass(module, batchnorm, x, y, loss, torch_names, torch.float32)
+    loss32, out32, grads32, bounds32, kinks32 = _torch_pass(module, batchnorm, x, y, loss, torch_names, torch.float32)
     try:
-        loss64, out64, grads64, bounds64 = _torch_pass(module, batchnorm, x, y, loss, torch_names, torch.float64)
+        loss64, out64, grads64, bounds64, kinks64 = _torch_pass(module, batchnorm, x, y, loss, torch_names,
+                                                                torch.float64)
     except RuntimeError as e:  # e.g. a float32 constant created inside forward()
         log.debug("float64 torch reference failed (%s); comparing with float32 torch", e)
-        return loss32, out32, grads32, {n: 0.0 for n in torch_names}, bounds32
+        return loss32, out32, grads32, {n: 0.0 for n in torch_names}, bounds32, kinks32
     spread = {n: _norm(np.asarray(grads32[n], np.float64) - grads64[n]) for n in torch_names}
-    return loss64, out64, grads64, spread, bounds64
+    return loss64, out64, grads64, spread, bounds64, kinks64
 
 
 def _torch_pass(module: nn.Module, batchnorm: str, x: np.ndarray, y: np.ndarray | None, loss: str,
                 torch_names: list[str],
-                dtype: torch.dtype) -> tuple[float, np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray]]:
+                dtype: torch.dtype) -> tuple[float, np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray],
+                                             dict[str, float]]:
     model = copy.deepcopy(module).to(dtype).eval()
     if batchnorm == "batch":  # ONNX Runtime trains BatchNormalization with batch statistics
         for m in model.modules():
@@ -317,18 +324,20 @@ def _torch_pass(module: nn.Module, batchnorm: str, x: np.ndarray, y: np.ndarray 
     for n in torch_names:
         params[n].requires_grad_(True)
     with ReductionBounds(model, torch_names) as bounds:
-        out = model(torch.from_numpy(x).to(dtype))
-        labels = None if y is None else torch.from_numpy(y)
-        if labels is not None and labels.is_floating_point():
-            labels = labels.to(dtype)
-        value = torch_loss(loss, out, labels)
-        value.backward()
-    return value.item(), out.detach().numpy(), {n: params[n].grad.numpy() for n in torch_names}, bounds.bounds()
+        with KinkAllowance({n: params[n] for n in torch_names}) as kinks:
+            out = model(torch.from_numpy(x).to(dtype))
+            labels = None if y is None else torch.from_numpy(y)
+            if labels is not None and labels.is_floating_point():
+                labels = labels.to(dtype)
+            value = torch_loss(loss, out, labels)
+        value.backward(retain_graph=True)  # the kinks' vector-Jacobian products run on the same graph
+    grads = {n: params[n].grad.numpy().copy() for n in torch_names}
+    return value.item(), out.detach().numpy(), grads, bounds.bounds(), kinks.allowance()
 
 
 def _check_once(stage: Path, manifest: Manifest, pairs: list[tuple[str, str]], x: np.ndarray, y: np.ndarray | None,
                 ref_loss: float, ref_out: np.ndarray, ref_grads: dict[str, np.ndarray],
-                spread: dict[str, float], bounds: dict[str, np.ndarray]) -> list[Deviation]:
+                spread: dict[str, float], bounds: dict[str, np.ndarray], kinks: dict[str, float]) -> list[Deviation]:
     from ..runtime.backend import OrtTrainingBackend
     from ..runtime.features import open_prefix, suffix_inputs
 
@@ -336,13 +345,14 @@ def _check_once(stage: Path, manifest: Manifest, pairs: list[tuple[str, str]], x
     # With a prefix model the training graph takes its features: the whole chain is compared.
     features = suffix_inputs(open_prefix(stage, manifest), x, len(x))
     return compare_training_step(backend, manifest, pairs, features, y, ref_loss, ref_out, ref_grads, spread, bounds,
-                                 f" (batch {len(x)})")
+                                 f" (batch {len(x)})", kinks)
 
 
 def compare_training_step(backend, manifest: Manifest, pairs: list[tuple[str, str]], features: np.ndarray,
                           y: np.ndarray | None, ref_loss: float, ref_out: np.ndarray,
                           ref_grads: dict[str, np.ndarray], spread: dict[str, float],
-                          bounds: dict[str, np.ndarray], suffix: str) -> list[Deviation]:
+                          bounds: dict[str, np.ndarray], suffix: str,
+                          kinks: dict[str, float] | None = None) -> list[Deviation]:
     """One training step of ``backend`` (a :class:`~edgeadapt.runtime.backend.TrainingBackend`)
     against the torch reference: loss, output, every trained gradient (``pairs``: backend name,
     torch name), then one optimizer step against torch's update of the same gradients."""
@@ -351,7 +361,8 @@ def compare_training_step(backend, manifest: Manifest, pairs: list[tuple[str, st
               compare_tensor(f"output{suffix}", out, ref_out, OUTPUT_RTOL, LOSS_ATOL)]
     grads = {g: backend.get_gradient(g) for g, _ in pairs}
     checks += compare_gradients(grads, {g: ref_grads[t] for g, t in pairs}, {g: bounds[t] for g, t in pairs},
-                                suffix, spread={g: spread[t] for g, t in pairs})
+                                suffix, spread={g: spread[t] for g, t in pairs},
+                                kinks={g: (kinks or {}).get(t, 0.0) for g, t in pairs})
     before = {g: backend.get_tensor(g) for g, _ in pairs}
     backend.apply_update(float(manifest.optimizer["lr"]))
     after = {g: backend.get_tensor(g) for g, _ in pairs}

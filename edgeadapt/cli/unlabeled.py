@@ -20,7 +20,8 @@ __all__ = ["add_unlabeled_arguments", "check_unlabeled_arguments", "run_unlabele
 def add_unlabeled_arguments(p: argparse.ArgumentParser) -> None:
     """The ``adapt`` options of label-free adaptation."""
     p.add_argument("--unlabeled", action="store_true",
-                   help="safe label-free adaptation (labels ignored): source-anchored statistics, prototype head, "
+                   help="safe label-free adaptation (labels ignored): BatchNorm statistics moved as far as "
+                        "the evidence of a shift supports, prototype head, "
                         "resets on collapse, a gate that returns to the source model when adaptation looks harmful")
     p.add_argument("--stream-batch", type=int, default=None, metavar="N",
                    help="with --unlabeled: feed the data as a stream of N-window batches (online, memory bounded)")
@@ -55,6 +56,10 @@ def run_unlabeled(args: argparse.Namespace, runner, X: np.ndarray) -> int:
     verdict = ("kept the adaptation" if result.kept else "returned to the source model")
     print(f"{verdict}: stages {', '.join(result.stages) or 'none'}; {result.n_adapt_windows} windows adapted on, "
           f"{result.n_gate_windows} held back for the gate")
+    if result.stats_layer_weights:
+        weights = list(result.stats_layer_weights.values())
+        print(f"statistics: target weight {result.stats_weight:.2f} on average over {len(weights)} BatchNorm layers "
+              f"({min(weights):.2f}..{max(weights):.2f}; 0 = the source's, 1 = the new windows')")
     if gate is not None:
         print(f"gate: view agreement {gate.source.view_agreement:.3f} (source) -> {gate.adapted.view_agreement:.3f}, "
               f"mean entropy {gate.source.mean_entropy:.3f} -> {gate.adapted.mean_entropy:.3f}, "
