@@ -539,7 +539,11 @@ def adapt_unlabeled(runner, X: np.ndarray, settings: UnlabeledSettings | None = 
     """Adapt ``runner`` on the unlabeled windows ``X`` in one pass; see :class:`UnlabeledAdapter`.
 
     A seeded ``gate_fraction`` of ``X`` (at most ``gate_windows``, at least one window) is held
-    back for the gate; the rest is adapted on as one batch.
+    back for the gate; the rest is adapted on as one batch, in the order given. Give the windows
+    in the order they were recorded: with ``stats_weighting="shrinkage"`` neighbouring windows
+    form the groups whose spread measures the statistics' noise, so that a stretch of one
+    activity counts as one piece of evidence (shuffled windows look independent, the noise
+    looks smaller and the statistics move further than the evidence supports).
     """
     from .validate import check_inputs
 

@@ -381,6 +381,20 @@ def test_cli_adapt_unlabeled(tmp_path, toy_bundle, capsys, stream):
     # what was saved is what the runner held after the gate
     runner = load(tmp_path / "out")
     assert (accuracy(runner, X, y) > 0.95) == report["kept"]
+    if report["kept"]:  # the shift is far beyond the noise: the statistics are the target's
+        assert report["stats_layer_weights"]["bn.running_mean"] > 0.9
+
+
+def test_cli_prints_the_statistics_weight(tmp_path, toy_bundle, capsys):
+    from edgeadapt.cli import main
+
+    X, y = balanced(40)
+    X[:, 2] += 1.5 * AMPLITUDE
+    args = ["adapt", str(toy_bundle), "--data", str(_data_file(tmp_path, X, y)), "--out", str(tmp_path / "out"),
+            "--unlabeled", "--device", "cpu"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "statistics: target weight" in out and "over 1 BatchNorm layer (" in out
 
 
 @pytest.mark.parametrize("extra, message", [(["--stream-batch", "4"], "add --unlabeled"),
