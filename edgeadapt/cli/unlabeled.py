@@ -58,7 +58,8 @@ def run_unlabeled(args: argparse.Namespace, runner, X: np.ndarray) -> int:
           f"{result.n_gate_windows} held back for the gate")
     if result.stats_layer_weights:
         weights = list(result.stats_layer_weights.values())
-        print(f"statistics: target weight {result.stats_weight:.2f} on average over {len(weights)} BatchNorm layer{'s' * (len(weights) != 1)} "
+        layers = f"{len(weights)} BatchNorm layer{'s' * (len(weights) != 1)}"
+        print(f"statistics: target weight {result.stats_weight:.2f} on average over {layers} "
               f"({min(weights):.2f}..{max(weights):.2f}; 0 = the source's, 1 = the new windows')")
     if gate is not None:
         print(f"gate: view agreement {gate.source.view_agreement:.3f} (source) -> {gate.adapted.view_agreement:.3f}, "
