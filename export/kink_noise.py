@@ -19,6 +19,10 @@ exactly with one vector-Jacobian product: the output gradient at the element tim
 the derivative, carried back to the parameters. The allowance of a gradient is the sum of the
 norms of those changes (the triangle inequality: any subset of the elements may flip).
 
+An element exactly at a kink is not undecided: it is exact in both precisions (a padded zero,
+a value clamped before), and the engine must follow torch's convention for the derivative there
+(ONNX Runtime's ``Clip`` gradient at ties does not, and the self-check refuses it).
+
 Elements further from a kink are decided by float32 as well as float64: a pre-activation is a
 reduction of ``K`` terms with a relative rounding of a few ``u`` times its conditioning, and
 ``KINK_ULPS`` (64) units of the tensor's largest magnitude covers that for the layers of this
@@ -140,7 +144,9 @@ class KinkAllowance:
             flat = x.reshape(-1)
             for position, jump in site.kinks:
                 distance = (flat - position).abs()
-                for i in torch.nonzero(distance <= tolerance).reshape(-1).tolist():
+                # exactly at the kink (a padded zero, a value clamped before): both precisions
+                # compute it exactly, so the derivative is torch's convention, not undecided
+                for i in torch.nonzero((distance > 0) & (distance <= tolerance)).reshape(-1).tolist():
                     found.append((float(distance[i]) / tolerance, s, i, jump))
         found.sort()
         return found

@@ -87,6 +87,16 @@ def test_elements_away_from_a_kink_are_decided():
         assert kinks.undecided() == [] and set(allowance.values()) == {0.0}
 
 
+def test_an_element_exactly_at_the_kink_is_decided_by_convention():
+    """A pre-activation of exactly 0 is exact in any precision: torch's derivative there is the
+    reference, nothing is allowed for it."""
+    _, allowance, kinks = _gradients(*_net(nn.ReLU(), 0.0, 0.0), allowance=True)
+    net, x = _net(nn.ReLU(), 0.0, 0.0)
+    with torch.no_grad():
+        assert float(net.fc(x)[1, 4]) == 0.0
+    assert kinks.undecided() == [] and set(allowance.values()) == {0.0}
+
+
 def test_compare_gradients_allows_exactly_a_flip():
     """A float32 engine that put the element on the other side passes with the allowance and
     fails without it; twice the flip fails either way."""
