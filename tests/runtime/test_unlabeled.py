@@ -304,18 +304,22 @@ def held_arrays_bytes(adapter: UnlabeledAdapter) -> int:
 
 
 def test_stream_memory_does_not_grow(toy_bundle):
-    """Many batches: what the adapter holds is the same after 20 and after 200 batches, and the
-    Python/numpy heap does not grow by as much as one batch per 10 batches."""
+    """Many batches: what the adapter holds is the same after 100 and after 400 batches, and over
+    those 300 batches the Python/numpy heap grows by less than 18 batches (a leak of one batch per
+    10 batches would be 30). The first 100 batches are left out of the heap figure: numpy's cache
+    of small buffers and onnxruntime's per-shape state fill up there (measured: +2.5 KB by batch
+    100, then +0.3 KB over the next 300)."""
     runner = load(toy_bundle)
     adapter = UnlabeledAdapter(runner, UnlabeledSettings(stats_prior_windows=16.0, prototype_mix=0.3,
                                                          gate_windows=12, entropy_steps=1, lr=1e-3))
     batch_bytes = balanced(2)[0].nbytes
+    batches, warm = 400, 100
     tracemalloc.start()
     try:
-        for i in range(200):
+        for i in range(batches):
             adapter.update(balanced(2, seed=i)[0])
             adapter.check_gate()
-            if i == 19:
+            if i == warm - 1:
                 gc.collect()  # cyclic garbage waiting for the collector is no growth
                 held, traced = held_arrays_bytes(adapter), tracemalloc.get_traced_memory()[0]
         gc.collect()
@@ -324,8 +328,8 @@ def test_stream_memory_does_not_grow(toy_bundle):
     finally:
         tracemalloc.stop()
     result = adapter.finish()
-    assert result.n_gate_windows == 12 and result.updates == 200 - 2  # the first 12 windows were held back
-    assert result.n_adapt_windows == 200 * 6 - 12
+    assert result.n_gate_windows == 12 and result.updates == batches - 2  # the first 12 windows were held back
+    assert result.n_adapt_windows == batches * 6 - 12
 
 
 def test_adapt_stream_matches_its_batches(toy_bundle):
