@@ -100,7 +100,7 @@ class _Recorder(TorchFunctionMode):
         if kinks is None or not isinstance(x, torch.Tensor) or not x.requires_grad:
             return func(*args, **kwargs)
         # an in-place activation overwrites its input: keep the pre-activation (a graph node)
-        recorded = x.clone() if _INPLACE_ARG.get(func, 0) and _inplace(func, args, kwargs) else x
+        recorded = x.clone() if func in _INPLACE_ARG and _inplace(func, args, kwargs) else x
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor) and out.requires_grad:
             site = _Site(recorded, kinks)

@@ -36,8 +36,8 @@ def _log_var(var: np.ndarray) -> np.ndarray:
 
 @dataclass
 class _ClusterSums:
-    """Sums over groups ``g`` of ``b_g`` windows with value ``x_g``: ``sum b x``, ``sum b^2 x``,
-    ``sum b^2 x^2`` (per channel) and ``sum b``, ``sum b^2``, the group count."""
+    """Per-channel sums over groups ``g`` of ``b_g`` windows with value ``x_g``: ``sum b x``,
+    ``sum b^2 x`` and ``sum b^2 x^2`` (the window counts are :class:`GroupedStatistics`')."""
 
     s: np.ndarray
     bx2: np.ndarray = field(init=False)
@@ -52,12 +52,12 @@ class _ClusterSums:
         self.bx2 += b * b * x
         self.b2x2 += b * b * x * x
 
-    def mean_and_noise(self, n: int, b2: int, groups: int) -> tuple[np.ndarray, np.ndarray]:
-        """The window-weighted mean and the cluster-robust variance of that mean:
-        ``G / (G - 1) * sum b_g^2 (x_g - mean)^2 / n^2``."""
+    def noise(self, n: int, b2: int, groups: int) -> np.ndarray:
+        """The cluster-robust variance of the window-weighted mean ``m = sum b x / n``:
+        ``G / (G - 1) * sum b_g^2 (x_g - m)^2 / n^2`` (``n = sum b``, ``b2 = sum b^2``)."""
         mean = self.s / n
         spread = np.maximum(self.b2x2 - 2 * mean * self.bx2 + mean * mean * b2, 0.0)
-        return mean, groups / (groups - 1) * spread / (n * n)
+        return groups / (groups - 1) * spread / (n * n)
 
 
 class GroupedStatistics:
@@ -78,9 +78,8 @@ class GroupedStatistics:
 
     def noise(self) -> tuple[np.ndarray, np.ndarray]:
         """Sampling variance of the target's per-channel mean and of its log-variance."""
-        _, mean_noise = self._mean.mean_and_noise(self.n, self.b2, self.groups)
-        _, log_var_noise = self._log_var.mean_and_noise(self.n, self.b2, self.groups)
-        return mean_noise, log_var_noise
+        return (self._mean.noise(self.n, self.b2, self.groups),
+                self._log_var.noise(self.n, self.b2, self.groups))
 
 
 def shrinkage_weight(source_mean: np.ndarray, source_var: np.ndarray, target_mean: np.ndarray,

@@ -57,14 +57,7 @@ import numpy as np
 from .head_features import HeadFeatures
 from .peaks import AdaptPeaks
 from .safety_gate import (
-    GateDecision,
-    GateSettings,
-    augmented_views,
-    collapsed,
-    decide,
-    evidence,
-    normalized_entropy,
-    softmax,
+    GateDecision, GateSettings, augmented_views, collapsed, decide, evidence, normalized_entropy, softmax,
 )
 from .stats_shrinkage import GroupedStatistics, shrinkage_weight
 
@@ -351,6 +344,8 @@ class UnlabeledAdapter:
                 self._stats_sum[n] += len(part) * mean
                 self._stats_sq[n] += len(part) * (var + mean * mean)
             self._stats_n += len(part)
+        # The groups get passes of their own: their deeper layers see activations normalised by
+        # the group's statistics, so they measure the spread, not the pooled values.
         if self.settings.stats_weighting == "shrinkage":
             for start in range(0, len(X), STATS_GROUP_WINDOWS):
                 part = X[start:start + STATS_GROUP_WINDOWS]
@@ -512,8 +507,8 @@ class UnlabeledAdapter:
         decision = self.gate()
         stages = self.stages()
         kept = bool(stages) and (decision is None or decision.kept)
-        weight = self.stats_weight if "stats" in stages else 0.0
         layer_weights = self.layer_weights() if kept and "stats" in stages else {}
+        weight = float(np.mean(list(layer_weights.values()))) if layer_weights else 0.0
         if not kept:
             self.reset()
             self.runner._clean_checkpoint = None
@@ -524,7 +519,7 @@ class UnlabeledAdapter:
                      "" if decision.kept else " (" + "; ".join(decision.reasons) + ")")
         return UnlabeledResult(kept, decision, stages if kept else (), tuple(self._skipped), tuple(self._resets),
                                self._n_resets,
-                               self._n_adapt, self._gate_fill, weight if kept else 0.0, self._steps, self._updates,
+                               self._n_adapt, self._gate_fill, weight, self._steps, self._updates,
                                self.settings.to_dict(), time.perf_counter() - self._start,
                                stats_layer_weights=layer_weights)
 
