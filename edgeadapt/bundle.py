@@ -103,7 +103,7 @@ PORTABLE_STATS_ROLE = "portable_stats"
 SHARED_FILE_ROLES = ("masks", "prefix_model")
 # The portable graphs' inputs and outputs, by role: a tensor role is "<kind>:<onnx name>".
 PORTABLE_GRAPH_ROLES = ("portable_train", "portable_eval", PORTABLE_STATS_ROLE, "portable_optimizer")
-PORTABLE_IO_PLAIN = ("data", "labels", "weights", "loss", "output", "decay", "step_size",
+PORTABLE_IO_PLAIN = ("data", "labels", "weights", "loss", "output", "head_features", "decay", "step_size",
                      "bias_correction2_sqrt", "lr")
 PORTABLE_IO_KINDS = ("param", "grad", "stat", "exp_avg", "exp_avg_sq")
 DTYPES = ("float32", "float64", "int64", "int32")
@@ -256,6 +256,11 @@ MANIFEST_SCHEMA: dict[str, Any] = {
                                                         "maximum": _MAX_DIM},
                                 "params": {"type": "array", "items": {"type": "object"}}}},
         "graph": {"type": "object", "required": ["ops", "params", "input_bytes"]},
+        # Optional (bundles written before it lack it): the linear head whose input every eval
+        # graph also returns (runtime.head_features.HEAD_FEATURES_OUTPUT), by tensor name.
+        "head": {"type": "object", "additionalProperties": False, "required": ["weight", "bias", "transposed"],
+                 "properties": {"weight": {"type": "string"}, "bias": {"type": ["string", "null"]},
+                                "transposed": {"type": "boolean"}}},
         "state": {
             "type": "object",
             "required": ["epoch", "step"],
@@ -361,6 +366,7 @@ class Manifest:
     graph: dict[str, Any] | None = None
     backends: tuple[str, ...] = ("ort-training",)
     portable: dict[str, Any] | None = None
+    head: dict[str, Any] | None = None
     # Written before bundles listed their backends ("backend": "ort-training"): serialised and
     # digested as it was written, so its graphs' contract stamps still match.
     legacy_backend_key: bool = False
@@ -443,6 +449,7 @@ class Manifest:
             "state": dict(self.state),
             **({"plan": self.plan} if self.plan is not None else {}),
             **({"graph": self.graph} if self.graph is not None else {}),
+            **({"head": self.head} if self.head is not None else {}),
         }
 
     @classmethod
@@ -471,6 +478,7 @@ class Manifest:
             graph=d.get("graph"),
             backends=tuple(d.get("backends", ["ort-training"])),
             portable=d.get("portable"),
+            head=d.get("head"),
             legacy_backend_key="backends" not in d,
         )
 

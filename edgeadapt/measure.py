@@ -51,6 +51,8 @@ __all__ = ["MEASURE_SAMPLE_INTERVAL_S", "MeasureSpec", "CallMemory", "measure_ca
 
 # RssAnon/VmRSS are sampled this often during a measured call.
 MEASURE_SAMPLE_INTERVAL_S = 0.001
+# The runner calls the protocol measures (MeasureSpec.method).
+MEASURED_METHODS = ("adapt", "bn-stats", "unlabeled")
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,10 @@ class MeasureSpec:
             windows of the bundle's input shape and labels.
         eval_data: a ``WindowDataset.save_npz`` file evaluated after adapting (``accuracy``).
         timeline: also return the sampled series ``[seconds, VmRSS - base, RssAnon - base]``.
+        method: the call measured: ``"adapt"`` (``Runner.adapt``), ``"bn-stats"``
+            (``Runner.update_bn_statistics`` in batches of ``batch_windows``) or ``"unlabeled"``
+            (``Runner.adapt_unlabeled`` with ``unlabeled`` settings, a dict of
+            :class:`~edgeadapt.runtime.UnlabeledSettings`; default: the recommended ones).
     """
 
     bundle: str
@@ -91,6 +97,12 @@ class MeasureSpec:
     adapt_data: str | None = None
     eval_data: str | None = None
     timeline: bool = False
+    method: str = "adapt"
+    unlabeled: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in MEASURED_METHODS:
+            raise ValueError(f"method must be one of {MEASURED_METHODS}, got {self.method!r}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> MeasureSpec:
@@ -212,9 +224,20 @@ def run_measurement(spec: MeasureSpec) -> dict[str, Any]:
     batch = spec.batch_windows or plan.get("batch_windows") or 32
     if spec.predict_first:
         runner.predict(X)
+    settings = None
+    if spec.method == "unlabeled":  # built (and its module imported) before the baseline, as a user's script does
+        from .runtime.unlabeled import UnlabeledSettings
+
+        settings = UnlabeledSettings.from_dict(spec.unlabeled or {})
     with measure_call(trim_heap=spec.trim_heap, timeline=spec.timeline) as call:
-        result = runner.adapt(X, y, epochs=spec.epochs, batch_size=batch, lr=spec.lr, seed=spec.seed,
-                              progress=spec.progress, micro_batch=spec.micro_batch)
+        result = _measured_call(runner, spec, X, y, batch, settings)
+    if spec.method == "unlabeled":
+        return {"spec": asdict(spec), "device": runner.device, "backend": runner.backend,
+                "torch_imported": any(k == "torch" or k.startswith("torch.") for k in sys.modules),
+                "n_windows": int(len(X)), "budget_bytes": plan.get("budget_bytes"),
+                "kept": result.kept, "stages": list(result.stages), "time_s": result.time_s,
+                **call.figures(), "runner_call_peak_bytes": result.call_peak_bytes,
+                "runner_call_peak_anon_bytes": result.call_peak_anon_bytes, "timeline": call.timeline}
     report = {
         "spec": asdict(spec), "device": runner.device, "backend": runner.backend,
         "torch_imported": any(k == "torch" or k.startswith("torch.") for k in sys.modules),
@@ -237,6 +260,17 @@ def run_measurement(spec: MeasureSpec) -> dict[str, Any]:
         report["accuracy"] = runner.evaluate(ev.X, ev.y).accuracy
         report["n_eval_windows"] = int(len(ev.y))
     return report
+
+
+def _measured_call(runner, spec: MeasureSpec, X, y, batch: int, settings):
+    """The one call the protocol measures (:attr:`MeasureSpec.method`; ``settings``: label-free's)."""
+    if spec.method == "bn-stats":
+        return runner.update_bn_statistics(X, y, epochs=spec.epochs, batch_size=batch, seed=spec.seed,
+                                           progress=spec.progress)
+    if spec.method == "unlabeled":
+        return runner.adapt_unlabeled(X, settings)
+    return runner.adapt(X, y, epochs=spec.epochs, batch_size=batch, lr=spec.lr, seed=spec.seed,
+                        progress=spec.progress, micro_batch=spec.micro_batch)
 
 
 def measure_in_fresh_process(spec: MeasureSpec, *, timeout_s: float = 900,

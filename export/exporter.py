@@ -23,6 +23,7 @@ from ..atomic import staged_directory
 from ..bundle import Manifest, TensorSpec, sha256_file, write_manifest
 from ..onnx_guard import stamp_contract
 from ..progress import Stages
+from ..runtime.head_features import LinearHead, add_head_output
 from ..sched import CostModel, refit
 from ..sched.ir import Graph
 from ..sched.plan import Plan
@@ -236,7 +237,8 @@ def _suffix_example(split, example_input: torch.Tensor) -> np.ndarray:
 def _draft_manifest(stage: Path, entries, loss: str, opt: OptimizerConfig, batchnorm: str, label,
                     example_input: torch.Tensor, output: torch.Tensor, policy: UpdatePolicy,
                     plan: dict | None = None, graph: dict | None = None, backends: tuple[str, ...] = ("ort-training",),
-                    portable_files: dict | None = None, portable: dict | None = None) -> Manifest:
+                    portable_files: dict | None = None, portable: dict | None = None,
+                    head: LinearHead | None = None) -> Manifest:
     files = {"masks": "masks.npz"}
     if "ort-training" in backends:
         files.update(ORT_TRAINING_FILES)
@@ -251,7 +253,25 @@ def _draft_manifest(stage: Path, entries, loss: str, opt: OptimizerConfig, batch
         label=label, loss=loss, optimizer=opt.to_dict(), batchnorm=batchnorm,
         policy=policy.to_dict(), parameters=entries, versions=package_versions(),
         state={"epoch": 0, "step": 0}, plan=plan, graph=graph, backends=backends, portable=portable,
+        head=None if head is None else head.to_dict(),
     )
+
+
+def _eval_head(path: Path, entries) -> LinearHead | None:
+    """Make the eval graph at ``path`` also return its linear head's input (rewritten in place);
+    the head, or ``None`` when the model ends in no linear head (label-free prototypes then build
+    a session of their own)."""
+    model = onnx.load(path)
+    head = add_head_output(model, {n for e in entries for n in e.onnx_names.values()}, OUTPUT_NAME)
+    if head is not None:
+        onnx.save(model, path)
+    return head
+
+
+def _common_head(heads: dict[str, LinearHead | None], backends: tuple[str, ...]) -> LinearHead | None:
+    """The head every engine in ``backends`` found in its eval graph, if they agree."""
+    found = {heads.get(b) for b in backends}
+    return found.pop() if len(found) == 1 else None
 
 
 def export_bundle(
@@ -401,6 +421,7 @@ def _export(model: nn.Module, example_input: torch.Tensor, out_dir: str | Path, 
             onnx.save(split.prefix, stage / PREFIX_FILE)
         trained_model = model_proto if split is None else split.suffix
         plain_training, recomputed = b"", []
+        heads: dict[str, LinearHead | None] = {}  # per engine: the head its eval graph also returns
         training_path = stage / ORT_TRAINING_FILES["training_model"]
         if "ort-training" in backends:
             _generate(trained_model, entries, loss, opt, stage)
@@ -409,6 +430,7 @@ def _export(model: nn.Module, example_input: torch.Tensor, out_dir: str | Path, 
             opt_model = onnx.load(opt_path)
             if use_torch_adamw(opt_model):
                 onnx.save(opt_model, opt_path)
+            heads["ort-training"] = _eval_head(stage / ORT_TRAINING_FILES["eval_model"], entries)
             if plan is not None and plan.recomputed:
                 plain_training = training_path.read_bytes()
                 plan, recomputed = _bake_recompute(training_path, model_proto, graph, plan, cost)
@@ -429,13 +451,15 @@ def _export(model: nn.Module, example_input: torch.Tensor, out_dir: str | Path, 
             portable = write_portable(stage, trained_model, entries, loss, batchnorm, opt.to_dict(),
                                       _suffix_example(split, example_input),
                                       example_labels(loss, label, len(example_input)))
+            heads["portable"] = portable.head
 
         def draft_for(plan: Plan | None, recomputed: bool) -> Manifest:
             draft = _draft_manifest(stage, entries, loss, opt, batchnorm, label, example_input, output, policy,
-                                    plan=None if plan is None else manifest_plan(plan),
+                                    plan=None if plan is None else manifest_plan(plan, batchnorm),
                                     graph=None if graph is None else graph.to_dict(), backends=backends,
                                     portable_files=None if portable is None else portable.files,
-                                    portable=None if portable is None else portable.portable)
+                                    portable=None if portable is None else portable.portable,
+                                    head=_common_head(heads, backends))
             if recomputed:  # ORT's common subexpression elimination would merge the copies back
                 draft = replace(draft, session={**draft.session, "disable_cse": True})
             return draft

@@ -220,9 +220,19 @@ def cut_model(model_proto: onnx.ModelProto, graph: Graph, plan: Plan, entries: t
     return split, plan
 
 
-def manifest_plan(plan: Plan) -> dict:
+def manifest_plan(plan: Plan, batchnorm: str) -> dict:
     """The plan as the manifest stores it: ``Plan.to_dict()`` plus ``predicted_peak_bytes``
-    (the predicted peak of one whole ``adapt`` call over ``plan.n_windows`` windows)."""
+    (the predicted peak of one whole ``adapt`` call over ``plan.n_windows`` windows).
+
+    With batch statistics (``batchnorm="batch"``) each forward pass normalises with its own
+    windows, so a step over several micro-batches would differ from one over the batch and the
+    runner never splits a step: the plan's batch becomes its micro-batch (the predicted peak
+    depends on the micro-batch, not the batch).
+    """
+    if batchnorm == "batch" and plan.micro_batch_windows < plan.batch_windows:
+        log.info("batch-statistics BatchNorm: steps of %d windows (the budget's micro-batch), not %d",
+                 plan.micro_batch_windows, plan.batch_windows)
+        plan = replace(plan, batch_windows=plan.micro_batch_windows)
     d = plan.to_dict()
     d["predicted_peak_bytes"] = None if plan.predicted is None else int(plan.predicted.peak_bytes)
     return d

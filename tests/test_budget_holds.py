@@ -9,6 +9,11 @@ call: every page the call touches counts). Both must stay within the budget, on 
 training engine and on the portable one (stock onnxruntime; its own measured constants). The
 GRU is left out on the portable engine: a budgeted export that trains through it there is
 refused (tests/export/test_portable_recurrent.py).
+
+Bundles whose BatchNorm normalises with batch statistics (``batchnorm="batch"``) are checked the
+same way for ``adapt`` and for one label-free call (``adapt_unlabeled``, the recommended
+settings), on both engines, at the upper two budgets of their ladder: a label-free call either
+stays within the budget or is refused before any work.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import pytest
 from dataclasses import replace
 
 from edgeadapt.harness.budget_check import (REFERENCE_MODELS, USER_MODELS, CheckSettings, build, check_budget,
-                                            model_budgets)
+                                            check_label_free_budget, model_budgets)
 
 SETTINGS = CheckSettings(n_windows=24, batch_windows=8, epochs=2, channels=8, time_steps=64, classes=5)
 
@@ -39,3 +44,28 @@ def test_the_budget_holds_in_a_users_process(backend, name, tmp_path, one_torch_
         assert row["steps"] == 2 * 3 and row["predicted_bytes"] <= budget
         assert row["call_peak_anon_bytes"] <= budget, row
         assert row["user_anon_bytes"] <= budget, row
+
+
+BATCH_CASES = [(backend, name) for backend in ("ort-training", "portable") for name in ("cnn", "conv2d")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend,name", BATCH_CASES, ids=[f"{b}-{n}" for b, n in BATCH_CASES])
+def test_the_budget_holds_with_batch_statistics_and_label_free(backend, name, tmp_path, one_torch_thread):
+    settings = replace(SETTINGS, backend=backend, batchnorm="batch")
+    model, example = build(name, settings)
+    budgets = model_budgets(model, example, settings, 3)[1:]
+    ran = 0
+    for budget in budgets:
+        row = check_budget(name, budget, tmp_path, settings)
+        assert row["predicted_bytes"] <= budget
+        assert row["call_peak_anon_bytes"] <= budget, row
+        assert row["user_anon_bytes"] <= budget, row
+        free = check_label_free_budget(name, budget, tmp_path, settings)
+        if free["refused"] is not None:
+            assert "label-free adaptation" in free["refused"] and "memory_budget" in free["refused"], free
+            continue
+        ran += 1
+        assert free["call_peak_anon_bytes"] <= budget, free
+        assert free["user_anon_bytes"] <= budget, free
+    assert ran, "every label-free call was refused: the check measured nothing"

@@ -5,6 +5,7 @@ picks what trains), then measure one ``Runner.adapt`` call by the project's meas
 (:mod:`edgeadapt.measure`: a fresh torch-free process as a user has it) and report the
 prediction next to the measured anonymous and total peaks (:func:`check_budget`). ``benchmarks/budget_table.py``
 prints the README's table from it; ``tests/test_budget_holds.py`` asserts the budget.
+:func:`check_label_free_budget` does the same for one label-free call (``Runner.adapt_unlabeled``).
 
 Models: the reference ones (``edgeadapt.models.build_model``: cnn, mobilenet, transformer) and
 four small user-style nets none of which the cost model was fitted on (:data:`USER_MODELS`):
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["USER_MODELS", "REFERENCE_MODELS", "CheckSettings", "build", "budget_ladder", "model_budgets",
-           "check_budget", "summarize"]
+           "check_budget", "check_label_free_budget", "summarize"]
 
 USER_MODELS = ("gru", "groupnorm", "conv2d", "mlp")
 REFERENCE_MODELS = ("cnn", "mobilenet", "transformer")
@@ -40,6 +41,8 @@ class CheckSettings:
         channels, time_steps, classes: input and output of the reference models.
         backend: the training engine exported and loaded (``ort-training`` or ``portable``).
         threads, seed: intra-op threads; seeds of the weights and the data.
+        batchnorm: the export's BatchNorm mode (``frozen`` or ``batch``; label-free checks use
+            ``batch``).
     """
 
     n_windows: int = 40
@@ -51,6 +54,7 @@ class CheckSettings:
     backend: str = "ort-training"
     threads: int = 1
     seed: int = 0
+    batchnorm: str = "frozen"
 
 
 def build(name: str, settings: CheckSettings = CheckSettings()):
@@ -123,7 +127,7 @@ def model_budgets(model, example, settings: CheckSettings, count: int) -> list[i
     from ..export import plan_cost
     from ..export.planning import model_graph
 
-    graph, weights = model_graph(model, example, "frozen")
+    graph, weights = model_graph(model, example, settings.batchnorm)
     cost = plan_cost(settings.backend)
     low = sched.minimum_budget(graph, n_windows=settings.n_windows, batch_windows=settings.batch_windows, cost=cost)
     full = sched.plan_from_policy(graph, sched.UpdatePolicy.full(), weights=weights,
@@ -150,7 +154,8 @@ def check_budget(name: str, budget_bytes: int, workdir: Path,
     model, example = build(name, settings)
     out = Path(workdir) / f"{name}-{budget_bytes}"
     manifest = export_bundle(model, example, out, memory_budget=budget_bytes, n_windows=settings.n_windows,
-                             batch_windows=settings.batch_windows, backend=settings.backend)
+                             batch_windows=settings.batch_windows, backend=settings.backend,
+                             batchnorm=settings.batchnorm)
     plan = manifest.plan
     common = dict(bundle=str(out), epochs=settings.epochs, threads=settings.threads, seed=settings.seed,
                   backend=settings.backend, progress=True)
@@ -171,6 +176,42 @@ def check_budget(name: str, budget_bytes: int, workdir: Path,
         # the form benchmarks/calibrate_cost.py --refit reads: the rows can calibrate the cost model
         "policy": f"budget {budget_bytes}", "graph": manifest.graph, "plan": manifest.plan,
     }
+
+
+def check_label_free_budget(name: str, budget_bytes: int, workdir: Path,
+                            settings: CheckSettings = CheckSettings()) -> dict[str, Any]:
+    """Export ``name`` for label-free adaptation (``loss="entropy"``; ``settings.batchnorm`` should
+    be ``"batch"``, or there are no statistics to adapt) under ``budget_bytes`` and measure one
+    ``adapt_unlabeled`` call with the recommended settings over ``n_windows`` windows, as
+    :func:`check_budget` measures ``adapt`` (the bound, heap trimmed; a user's process after a
+    ``predict``).
+
+    Returns:
+        A row: ``refused`` (the call refused before any work: the budget is below what label-free
+        passes of one window need; then no figures), the bound's ``call_peak_anon_bytes`` /
+        ``call_peak_bytes`` and the user process's ``user_anon_bytes``.
+    """
+    from ..export import export_bundle
+    from ..measure import MeasureSpec, measure_in_fresh_process
+
+    model, example = build(name, settings)
+    out = Path(workdir) / f"{name}-label-free-{budget_bytes}"
+    export_bundle(model, example, out, memory_budget=budget_bytes, n_windows=settings.n_windows,
+                  batch_windows=settings.batch_windows, backend=settings.backend, loss="entropy",
+                  batchnorm=settings.batchnorm)
+    common = dict(bundle=str(out), n_windows=settings.n_windows, threads=settings.threads, seed=settings.seed,
+                  backend=settings.backend, method="unlabeled")
+    env = {"OMP_NUM_THREADS": str(settings.threads)}
+    row = {"model": name, "budget_bytes": budget_bytes, "backend": settings.backend, "method": "label-free"}
+    try:
+        bound = measure_in_fresh_process(MeasureSpec(**common, trim_heap=True), env=env)
+    except RuntimeError as e:
+        if "BudgetExceeded" not in str(e):
+            raise
+        return {**row, "refused": str(e).strip().splitlines()[-1]}
+    user = measure_in_fresh_process(MeasureSpec(**common, predict_first=True), env=env)
+    return {**row, "refused": None, "kept": bound["kept"], "call_peak_anon_bytes": bound["call_peak_anon_bytes"],
+            "call_peak_bytes": bound["call_peak_bytes"], "user_anon_bytes": user["call_peak_anon_bytes"]}
 
 
 def summarize(rows: list[dict[str, Any]], tolerance: float = 0.15) -> dict[str, int]:

@@ -22,6 +22,7 @@ import numpy as np
 from ..bundle import BundleError, Manifest
 from .arrays import native_contiguous
 from .device import open_on_device
+from .head_features import HEAD_FEATURES_OUTPUT
 from .ort_import import pybind_state as C  # torch-free import of onnxruntime's pybind layer
 
 __all__ = ["TrainingBackend", "OrtTrainingBackend"]
@@ -56,6 +57,10 @@ class TrainingBackend(Protocol):
 
     def forward(self, x: np.ndarray, y: np.ndarray | None) -> tuple[float, np.ndarray]:
         """Eval-mode forward: (loss, model output)."""
+
+    def forward_features(self, x: np.ndarray, y: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """Eval-mode forward: (the linear head's input, model output), from the eval graph's
+        :data:`~.head_features.HEAD_FEATURES_OUTPUT` (bundles whose manifest has a ``head``)."""
 
     def update_statistics(self, x: np.ndarray, y: np.ndarray | None) -> tuple[float, bool]:
         """Forward-only pass in batch-statistics mode updating BatchNorm running statistics.
@@ -206,6 +211,11 @@ class OrtTrainingBackend:
         feeds = dict(zip(self._data_inputs, self._inputs(x, y)))  # held until the run returns
         loss, out = self._run_eval(feeds, [self._eval_outputs[0], self._output_name])
         return float(loss), out
+
+    def forward_features(self, x: np.ndarray, y: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        feeds = dict(zip(self._data_inputs, self._inputs(x, y)))  # held until the run returns
+        features, out = self._run_eval(feeds, [HEAD_FEATURES_OUTPUT, self._output_name])
+        return features, out
 
     def update_statistics(self, x: np.ndarray, y: np.ndarray | None) -> tuple[float, bool]:
         with_loss = y is not None or not self._has_labels

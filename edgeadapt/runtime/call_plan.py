@@ -72,11 +72,14 @@ class CallPlan:
         if explicit or fixed:
             peak = self._sched.predict(self._graph, trial, self._cost)
             if peak.peak_bytes > self.budget_bytes:
+                fix = (f"this bundle normalises with batch statistics, so a step is one pass over its batch: "
+                       f"pass batch_size <= {plan.micro_batch_windows}" if fixed and not explicit
+                       else "pass fewer windows or a smaller micro_batch")
                 raise self._sched.BudgetExceeded(
                     peak.peak_bytes, self.budget_bytes, peak.where,
                     detail=f"adapt over {n_windows} windows with micro-batches of {micro} (planned: "
                            f"{plan.n_windows} windows, micro-batches of {plan.micro_batch_windows}) is over the "
-                           "bundle's memory budget; pass fewer windows or a smaller micro_batch")
+                           f"bundle's memory budget; {fix}")
             return micro
         try:
             again = self._sched.replan(self._graph, replace(trial, micro_batch_windows=min(micro, batch_windows)),
@@ -89,3 +92,58 @@ class CallPlan:
         log.info("adapt over %d windows (planned %d): micro-batches of %d within the %d-byte budget",
                  n_windows, plan.n_windows, again.micro_batch_windows, self.budget_bytes)
         return again.micro_batch_windows
+
+    def label_free_passes(self, *, held_bytes: int, max_pass_windows: int, max_stats_windows: int | None,
+                          min_stats_windows: int, view_bytes_per_window: int,
+                          entropy_steps: bool) -> tuple[int, int | None, int | None]:
+        """Windows per inference pass, per statistics pass and per entropy step of a label-free
+        call (:mod:`~edgeadapt.sched.label_free_cost`): the most (up to the maxima) whose predicted
+        peak fits the budget; without a budget the maxima (and no entropy-step limit).
+
+        Args:
+            held_bytes: what the adapter holds for the whole call.
+            max_pass_windows: the most windows per inference pass.
+            max_stats_windows: the most per statistics pass (``None``: no statistics passes).
+            min_stats_windows: the fewest per statistics pass the method can use.
+            view_bytes_per_window: temporaries per window while the gate's views are built.
+            entropy_steps: the call takes optimizer steps (at most the plan's micro-batch each).
+
+        Raises:
+            BudgetExceeded: even the smallest passes do not fit (nothing was done yet).
+        """
+        plan = self._plan
+        if plan is None:
+            return max_pass_windows, max_stats_windows, None
+
+        def peak(pass_windows: int, stats_windows: int | None):
+            return self._sched.predict_label_free(
+                self._graph, plan, self._cost, held_bytes=held_bytes, pass_windows=pass_windows,
+                stats_windows=stats_windows, view_bytes_per_window=view_bytes_per_window, entropy_steps=entropy_steps)
+
+        stats = None
+        if max_stats_windows is not None:
+            sizes = [w for w in _halvings(max_stats_windows) if w >= min_stats_windows] or [min_stats_windows]
+            stats = next((w for w in sizes if peak(1, w).peak_bytes <= self.budget_bytes), None)
+            if stats is None:
+                self._refuse(peak(1, sizes[-1]), f"statistics passes of {sizes[-1]} windows")
+        passes = next((w for w in _halvings(max_pass_windows) if peak(w, stats).peak_bytes <= self.budget_bytes), None)
+        if passes is None:
+            self._refuse(peak(1, stats), "passes of 1 window")
+        log.info("label-free passes within the %d-byte budget: %d windows (statistics: %s)",
+                 self.budget_bytes, passes, stats)
+        return passes, stats, plan.micro_batch_windows if entropy_steps else None
+
+    def _refuse(self, peak, what: str):
+        raise self._sched.BudgetExceeded(
+            peak.peak_bytes, self.budget_bytes, peak.where,
+            detail=f"label-free adaptation with {what} is over the bundle's memory budget; re-export with a "
+                   "larger memory_budget, or hold fewer windows back (gate_windows) or turn the gate off")
+
+
+def _halvings(n: int) -> list[int]:
+    """``n``, ``n // 2``, ... down to 1."""
+    out = []
+    while n >= 1:
+        out.append(n)
+        n //= 2
+    return out

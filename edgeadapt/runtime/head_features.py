@@ -1,11 +1,16 @@
 """The classifier head's input and the logits of the current parameters, in one inference pass.
 
-Label-free adaptation needs what the runner's eval graph does not return: the features the
-linear head reads (class prototypes are means of them). :class:`HeadFeatures` builds, once, an
-inference model from the runner's own plain export (:meth:`Runner.export_inference`: prefix and
+Label-free adaptation needs the features the linear head reads (class prototypes are means of
+them). The exporter makes every eval graph return them (:func:`add_head_output`: an ``Identity``
+of the head's input named :data:`HEAD_FEATURES_OUTPUT`, and the head's tensors in the manifest's
+``head``), so the runner's eval session gives them at no cost beyond the tensor itself.
+
+For a bundle exported before that (no ``head`` in its manifest), :class:`HeadFeatures` builds, once,
+an inference model from the runner's own plain export (:meth:`Runner.export_inference`: prefix and
 suffix merged, any backend) with two changes: every tensor the training backend holds becomes a
 graph *input* (fed the backend's current values at each run, so BatchNorm statistics or biases
-changed later are seen without exporting again), and the head's input is a second output.
+changed later are seen without exporting again), and the head's input is a second output. That
+second session costs memory no plan counts (about 2 MiB for a small CNN); re-export to avoid it.
 
 The head is the ``torch.nn.Linear`` that produces the model output: a ``Gemm`` (the
 onnxruntime-training graphs), or ``MatMul`` of the weight (or of its ``Transpose``) followed by
@@ -27,7 +32,13 @@ import numpy as np
 from .arrays import native_contiguous
 from .ort_import import import_onnxruntime
 
-__all__ = ["LinearHead", "HeadFeatures"]
+__all__ = ["HEAD_FEATURES_OUTPUT", "HEAD_FEATURES_ROLE", "LinearHead", "HeadFeatures", "find_linear_head",
+           "add_head_output"]
+
+# The eval graphs' extra output: the linear head's input, one row per window.
+HEAD_FEATURES_OUTPUT = "edgeadapt_head_features"
+# Its role in a portable eval graph's interface (manifest portable.graphs).
+HEAD_FEATURES_ROLE = "head_features"
 
 
 @dataclass(frozen=True)
@@ -38,6 +49,18 @@ class LinearHead:
     weight: str
     bias: str | None
     transposed: bool
+
+    def to_dict(self) -> dict:
+        """The manifest's ``head`` entry."""
+        return {"weight": self.weight, "bias": self.bias, "transposed": self.transposed}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LinearHead:
+        return cls(str(d["weight"]), None if d.get("bias") is None else str(d["bias"]), bool(d["transposed"]))
+
+    def renamed(self, names: dict[str, str]) -> LinearHead:
+        """The same head with its tensors renamed by ``names`` (graph names -> parameter names)."""
+        return LinearHead(names[self.weight], None if self.bias is None else names[self.bias], self.transposed)
 
 
 class HeadFeatures:
@@ -59,7 +82,7 @@ class HeadFeatures:
             model = onnx.load(os.fspath(path))
         graph = model.graph
         params = set(parameter_names)
-        self.head, self.features_name = _linear_head(graph, params)
+        self.head, self.features_name = find_linear_head(graph, params)
         moved = [t for t in graph.initializer if t.name in params]
         for t in moved:
             graph.initializer.remove(t)
@@ -88,8 +111,40 @@ class HeadFeatures:
         return np.concatenate(feats), np.concatenate(logits)
 
 
-def _linear_head(graph, params: set[str]) -> tuple[LinearHead, str]:
-    """The linear head producing ``graph``'s first output and the name of its input (features):
+def add_head_output(model, params: set[str], output: str) -> LinearHead | None:
+    """Make ``model`` (an ``onnx.ModelProto``, changed in place) also return the input of the
+    linear head producing its output ``output`` as :data:`HEAD_FEATURES_OUTPUT`
+    (``(windows, features)``); the head in ``model``'s tensor names, or ``None`` (nothing changed)
+    when ``output`` comes from no linear head over 2-D features whose weight and bias are in
+    ``params``, or the model already has that output."""
+    import onnx
+
+    graph = model.graph
+    outputs = {o.name: o for o in graph.output}
+    if HEAD_FEATURES_OUTPUT in outputs or output not in outputs:
+        return None
+    try:
+        head, features = find_linear_head(graph, params, output)
+    except ValueError:
+        return None
+    shapes = {v.name: v for v in [*graph.input, *graph.value_info, *graph.output]}
+    weight = shapes.get(head.weight)
+    if weight is None or len(weight.type.tensor_type.shape.dim) != 2:
+        return None
+    out_type = outputs[output].type.tensor_type
+    if out_type.HasField("shape") and len(out_type.shape.dim) != 2:  # a head over a sequence: no per-window classifier
+        return None
+    n_features = weight.type.tensor_type.shape.dim[1 if head.transposed else 0].dim_value
+    graph.node.append(onnx.helper.make_node("Identity", [features], [HEAD_FEATURES_OUTPUT],
+                                            name="edgeadapt_head_features_identity"))
+    graph.output.append(onnx.helper.make_tensor_value_info(
+        HEAD_FEATURES_OUTPUT, onnx.TensorProto.FLOAT, ["batch", n_features or "features"]))
+    return head
+
+
+def find_linear_head(graph, params: set[str], output: str | None = None) -> tuple[LinearHead, str]:
+    """The linear head producing ``graph``'s output ``output`` (default: its first) and the name of
+    its input (features):
     ``Gemm(f, W, b)``, or ``Add(MatMul(f, W or Transpose(W)), b)`` (either ``Add`` operand order).
 
     Raises:
@@ -98,7 +153,7 @@ def _linear_head(graph, params: set[str]) -> tuple[LinearHead, str]:
     import onnx
 
     producers = {o: n for n in graph.node for o in n.output}
-    out = producers.get(graph.output[0].name)
+    out = producers.get(output or graph.output[0].name)
     bias = None
     if out is not None and out.op_type == "Gemm":
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in out.attribute}

@@ -43,6 +43,7 @@ from ..atomic import atomic_path
 from ..bundle import PORTABLE_GRAPH_ROLES, PORTABLE_STATS_ROLE, BundleError
 from .arrays import native_contiguous
 from .device import open_on_device
+from .head_features import HEAD_FEATURES_ROLE
 from .ort_import import import_onnxruntime
 
 __all__ = ["PortableBackend", "STATE_ROLE", "check_opset_supported", "read_state",
@@ -205,6 +206,7 @@ class PortableBackend:
         state_path = Path(checkpoint_path) if checkpoint_path is not None else self._state_path(bundle_dir, manifest)
         self._eval, self.device = open_on_device(device, lambda kind: self._open(EVAL, kind))
         self._has_labels = "labels" in self._eval.input_roles
+        self._n_features = _features_width(self._eval)
         self._load_state(state_path, read_state(state_path))
         self._train = self._optimizer = None
         self._stats: _Graph | None = None
@@ -427,6 +429,16 @@ class PortableBackend:
             y = self._zero_labels(len(x))
         return self._run_forward(self._eval, x, y, {}, {})
 
+    def forward_features(self, x: np.ndarray, y: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        if HEAD_FEATURES_ROLE not in self._eval.output_roles:
+            raise BundleError("the bundle's eval graph returns no head features; re-export the bundle")
+        if y is None and self._has_labels:
+            y = self._zero_labels(len(x))
+        features = np.empty((len(x), self._n_features), dtype=np.float32)
+        fetch = {HEAD_FEATURES_ROLE: self._ort.OrtValue.ortvalue_from_numpy(features)}
+        _, out = self._run_forward(self._eval, x, y, {}, fetch)  # fetch (and features) held until it returns
+        return features, out
+
     def _zero_labels(self, n: int) -> np.ndarray:
         meta = {i.name: i for i in self._eval.session.get_inputs()}[dict(self._eval.inputs)["labels"]]
         dtype = np.int64 if "int64" in meta.type else np.float32
@@ -506,6 +518,18 @@ class PortableBackend:
                    **{names["param:" + n]: n for n in held}}
         model = _renamed(self._paths[EVAL], renames)
         export_eval_graph(model, {n: self._tensors[n].value for n in held}, output_names, path)
+
+
+def _features_width(graph: _Graph) -> int | None:
+    """Features per window of the eval graph's ``head_features`` output (``None``: it has none)."""
+    if HEAD_FEATURES_ROLE not in graph.output_roles:
+        return None
+    name = dict(graph.outputs)[HEAD_FEATURES_ROLE]
+    shape = next(o.shape for o in graph.session.get_outputs() if o.name == name)
+    if len(shape) != 2 or not isinstance(shape[1], int):
+        raise BundleError(f"the eval graph's head features have shape {shape}, not (windows, features); "
+                          "the bundle was edited - re-export it")
+    return shape[1]
 
 
 def _renamed(path: Path, renames: Mapping[str, str]):

@@ -44,6 +44,8 @@ from .rollback import EpochValues
 from .features import PrefixModel, merge_inference, open_prefix, suffix_inputs
 from ..onnx_guard import MAX_ABS_VALUE, check_bundle_models, check_checkpoint_values
 from .validate import check_inputs, check_labels, check_learning_rate
+from .arrays import Rows
+from .unlabeled import adapt_stream, adapt_unlabeled
 
 __all__ = ["Runner", "AdaptResult", "EvalResult", "SCHEDULES"]
 
@@ -61,28 +63,6 @@ class _NoBar(contextlib.nullcontext):
 
     def set_postfix(self, **kwargs) -> None:
         pass
-
-
-class _Rows:
-    """The windows ``rows`` of ``data`` (a shuffled batch), gathered only when sliced: a step
-    copies one micro-batch of windows at a time instead of the whole batch."""
-
-    def __init__(self, data: np.ndarray, rows: np.ndarray):
-        self.data, self.rows = data, rows
-
-    @classmethod
-    def of(cls, data: np.ndarray | None, rows: np.ndarray) -> _Rows | None:
-        return None if data is None else cls(data, rows)
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, part: slice) -> np.ndarray:
-        return self.data[self.rows[part]]
-
-    def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        out = self.data[self.rows]
-        return out if dtype is None else out.astype(dtype)
 
 
 def _progress_bar(progress: bool, **kwargs):
@@ -265,7 +245,7 @@ class Runner:
                 "Use micro_batch=None (or >= batch_size), or export with batchnorm='frozen'")
         return min(micro_batch, batch_size)
 
-    def _step(self, x: np.ndarray | _Rows, y: np.ndarray | _Rows | None, lr: float, micro: int) -> float:
+    def _step(self, x: np.ndarray | Rows, y: np.ndarray | Rows | None, lr: float, micro: int) -> float:
         """One optimizer step over ``x`` in slices of ``micro`` windows (gradient accumulation).
 
         The loss is a mean over the windows a ``train_step`` sees, and ONNX Runtime adds each
@@ -410,7 +390,7 @@ class Runner:
                         raise AdaptInterrupted(self.step, self.epoch, e)
                     try:
                         with peaks.step():
-                            loss = self._step(_Rows(X, idx), _Rows.of(y, idx), step_lr(done), micro)
+                            loss = self._step(Rows(X, idx), Rows.of(y, idx), step_lr(done), micro)
                     except NonFiniteLossError as err:
                         self._roll_back(source, call_start, e, batches, step_lr, X, y, micro, kept)
                         raise err.rolled_back(start_step) from None
@@ -451,7 +431,7 @@ class Runner:
         done = 0
         for _ in range(failed_epoch):
             for idx in batches(self.epoch):
-                self._step(_Rows(X, idx), _Rows.of(y, idx), step_lr(done), micro)
+                self._step(Rows(X, idx), Rows.of(y, idx), step_lr(done), micro)
                 done += 1
             self.epoch += 1
         if self._clean_checkpoint is None and failed_epoch == 0 and source.name != "call_start.ckpt":
@@ -468,15 +448,11 @@ class Runner:
         (source-anchored statistics, prototype head, resets on collapse, a safety gate that
         returns to the source model); ``settings``: an :class:`~.unlabeled.UnlabeledSettings`.
         Returns an :class:`~.unlabeled.UnlabeledResult` with the gate's decision and evidence."""
-        from .unlabeled import adapt_unlabeled
-
         return adapt_unlabeled(self, X, settings)
 
     def adapt_stream(self, batches, settings=None):
         """:meth:`adapt_unlabeled` on a stream of unlabeled batches as they arrive, memory bounded
         (see :func:`~.unlabeled.adapt_stream`)."""
-        from .unlabeled import adapt_stream
-
         return adapt_stream(self, batches, settings)
 
     # ---- label-free BatchNorm statistics ----------------------------------------------

@@ -22,12 +22,14 @@ single flip among eight windows is noise; a consistent loss is evidence of harm.
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["GateSettings", "ModelEvidence", "GateDecision", "augmented_views", "evidence", "agreement_changes",
-           "decide", "softmax", "normalized_entropy", "collapsed"]
+__all__ = ["GateSettings", "ModelEvidence", "GateDecision", "augmented_views", "view_logits", "evidence",
+           "agreement_changes", "decide", "softmax", "normalized_entropy", "collapsed"]
 
 # Perturbations of augmented_views, in units of the (normalised) input: per-channel gain factor
 # exp(U(-g, g)), additive Gaussian noise of this fraction of each window's channel std, circular
@@ -121,19 +123,40 @@ def normalized_entropy(probs: np.ndarray) -> np.ndarray:
 def augmented_views(X: np.ndarray, seed: int, n_views: int = 2) -> list[np.ndarray]:
     """``n_views`` perturbed copies of the windows ``X`` (batch, channels, time), seeded: each
     with a per-window, per-channel gain, additive noise and a circular time shift."""
+    return view_logits(X, seed, n_views, lambda view: view, len(X))
+
+
+def view_logits(X: np.ndarray, seed: int, n_views: int, logits: Callable[[np.ndarray], np.ndarray],
+                chunk_windows: int) -> list[np.ndarray]:
+    """``logits`` of each of :func:`augmented_views` ``(X, seed, n_views)``, built and run
+    ``chunk_windows`` windows at a time: the same views (the same random numbers, drawn in the
+    same order) without ever holding more than one chunk of one view."""
     rng = np.random.default_rng(seed)
     n, steps = X.shape[0], X.shape[-1]
-    scale = X.std(axis=-1, keepdims=True)
     max_shift = max(1, int(round(VIEW_SHIFT_FRACTION * steps)))
-    views = []
+    out = []
     for _ in range(n_views):
         gain = np.exp(rng.uniform(-VIEW_GAIN_LOG, VIEW_GAIN_LOG, size=X.shape[:-1] + (1,)))
-        view = X * gain + VIEW_NOISE_FRACTION * scale * rng.standard_normal(X.shape)
+        # The noise is drawn before the shifts: skip past it (drawing and dropping it a chunk at a
+        # time) for the shifts, then replay it chunk by chunk from a copy of the generator.
+        noise = copy.deepcopy(rng)
+        for start in range(0, n, chunk_windows):
+            rng.standard_normal((min(chunk_windows, n - start), *X.shape[1:]))
         shifts = rng.integers(-max_shift, max_shift + 1, size=n)
-        idx = (np.arange(steps)[None, :] - shifts[:, None]) % steps
-        view = np.take_along_axis(view, idx.reshape(n, *([1] * (X.ndim - 2)), steps), axis=-1)
-        views.append(view.astype(np.float32))
-    return views
+        parts = []
+        for start in range(0, n, chunk_windows):
+            part = slice(start, min(start + chunk_windows, n))
+            m = part.stop - part.start
+            # X * gain + (fraction * std) * noise, in place where the value is the same bit for bit
+            view = noise.standard_normal((m, *X.shape[1:]))
+            view *= VIEW_NOISE_FRACTION * X[part].std(axis=-1, keepdims=True)
+            view += X[part] * gain[part]
+            idx = (np.arange(steps)[None, :] - shifts[part, None]) % steps
+            view = np.take_along_axis(view, idx.reshape(m, *([1] * (X.ndim - 2)), steps), axis=-1)
+            parts.append(logits(view.astype(np.float32)))
+            del view
+        out.append(np.concatenate(parts))
+    return out
 
 
 def evidence(clean_logits: np.ndarray, view_logits: list[np.ndarray]) -> ModelEvidence:

@@ -54,11 +54,12 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from .head_features import HeadFeatures
+from .arrays import Rows
+from .features import suffix_inputs
+from .head_features import HeadFeatures, LinearHead
 from .peaks import AdaptPeaks
-from .safety_gate import (
-    GateDecision, GateSettings, augmented_views, collapsed, decide, evidence, normalized_entropy, softmax,
-)
+from .safety_gate import (GateDecision, GateSettings, collapsed, decide, evidence, normalized_entropy, softmax,
+                          view_logits)
 from .stats_shrinkage import GroupedStatistics, shrinkage_weight
 
 __all__ = ["UnlabeledSettings", "UnlabeledResult", "UnlabeledAdapter", "adapt_unlabeled", "adapt_stream"]
@@ -66,8 +67,10 @@ __all__ = ["UnlabeledSettings", "UnlabeledResult", "UnlabeledAdapter", "adapt_un
 log = logging.getLogger(__name__)
 
 _STATS_SUFFIXES = ("running_mean", "running_var")
-# Windows per forward-only statistics pass (bounds its activations; batches of a stream are smaller).
+# Windows per forward-only statistics pass (bounds its activations; batches of a stream are
+# smaller), and per inference pass (logits, head features, the gate's views).
 STATS_BATCH_WINDOWS = 64
+INFERENCE_BATCH_WINDOWS = 256
 # "shrinkage": windows per group whose statistics measure the sampling noise (each batch of a
 # stream is cut into groups of at most this many), and the fewest groups the noise needs;
 # with fewer the source statistics stay.
@@ -76,6 +79,20 @@ MIN_STATS_GROUPS = 3
 STATS_WEIGHTINGS = ("shrinkage", "count")
 # Reset messages kept for the result (the count covers all of them): a stream stays bounded.
 MAX_RESETS_KEPT = 16
+# Numpy temporaries per input byte while the gate's augmented views of a pass are built (float64
+# noise, product and shifted copy, the float32 view, the standard deviation's temporaries): about
+# 7 live, measured 11.6 over the process with the allocator's fragmentation (8 x 256 windows,
+# passes of 4, edgeadapt.measure); 16 bounds it.
+VIEW_BYTES_PER_INPUT_BYTE = 16
+# float64 arrays of a BatchNorm's channel count held per layer: pooled sums, the groups' cluster
+# sums and the measured momentum.
+STATS_SUM_ARRAYS = 12
+
+
+def _window_bytes(manifest) -> int:
+    """Bytes of one input window (a dimension the bundle leaves open counts as 1)."""
+    spec = manifest.input
+    return math.prod(d or 1 for d in spec.shape[1:]) * np.dtype(spec.dtype).itemsize
 
 
 def _var_name(mean_name: str) -> str:
@@ -205,6 +222,33 @@ class UnlabeledResult:
     stats_layer_weights: dict[str, float] = field(default_factory=dict)
 
 
+class _EvalFeatures:
+    """Features before the head and logits from the runner's own eval session: the bundle's eval
+    graph returns them (manifest ``head``), so no session is built."""
+
+    def __init__(self, runner):
+        self.head = LinearHead.from_dict(runner.manifest.head)
+        self._runner = runner
+
+    def run(self, X: np.ndarray, batch_windows: int = INFERENCE_BATCH_WINDOWS) -> tuple[np.ndarray, np.ndarray]:
+        """``(features, logits)`` of the windows ``X`` under the backend's current values."""
+        r = self._runner
+        feats, logits = [], []
+        for start in range(0, len(X), batch_windows):
+            x = X[start:start + batch_windows]
+            f, out = r._backend.forward_features(suffix_inputs(r._prefix, x, batch_windows), r._dummy_labels(len(x)))
+            feats.append(f)
+            logits.append(out)
+        return np.concatenate(feats), np.concatenate(logits)
+
+
+def _features_source(runner, names: list[str], backend):
+    """The bundle's eval graph when it returns the head's input, else a session of its own."""
+    if runner.manifest.head is not None:
+        return _EvalFeatures(runner)
+    return HeadFeatures(runner.export_inference, names, backend.get_tensor)
+
+
 class UnlabeledAdapter:
     """Label-free adaptation of one runner, fed batch by batch (see module docstring).
 
@@ -212,19 +256,29 @@ class UnlabeledAdapter:
     there by themselves), :meth:`update` with each batch, then :meth:`finish`.
     """
 
-    def __init__(self, runner, settings: UnlabeledSettings | None = None):
+    def __init__(self, runner, settings: UnlabeledSettings | None = None, gate_rows: int | None = None):
+        """``gate_rows``: windows that will be held back for the gate (default and at most
+        ``settings.gate_windows``).
+
+        Raises:
+            BudgetExceeded: the bundle has a memory budget and not even passes of one window
+                (statistics passes of ``STATS_GROUP_WINDOWS``) fit it; nothing was adapted.
+        """
         self.runner = runner
         self.settings = settings or UnlabeledSettings()
         s = self.settings
+        self._gate_rows = s.gate_windows if gate_rows is None else max(0, min(gate_rows, s.gate_windows))
         backend = runner._backend
         self._backend = backend
         names = backend.parameter_names()
         self._stats_names = [n for n in names if n.endswith(_STATS_SUFFIXES)]
         self._trained = backend.parameter_names(trainable_only=True)
         self._skipped: list[str] = []
-        self._head: HeadFeatures | None = None
+        self._head: HeadFeatures | _EvalFeatures | None = None
+        # windows per statistics pass and per inference pass
+        self._stats_windows, self._pass_windows = STATS_BATCH_WINDOWS, INFERENCE_BATCH_WINDOWS
         try:
-            self._head = HeadFeatures(runner.export_inference, names, backend.get_tensor)
+            self._head = _features_source(runner, names, backend)
         except ValueError as e:
             self._skipped.append(f"prototypes and gate: {e}")
         if s.prototype_mix > 0 and self._head is None:
@@ -239,6 +293,8 @@ class UnlabeledAdapter:
         if s.entropy_steps > 0 and runner.manifest.loss != "entropy":
             self._skipped.append("entropy: the bundle's loss is not 'entropy' (export with loss='entropy')")
             self._entropy_on = False
+        self._entropy_batch = s.batch_size
+        self._plan_passes()
         self._rng = np.random.default_rng(s.seed)
         self._momentum: dict[str, np.ndarray] | None = None
         self._reset_sums()
@@ -251,6 +307,30 @@ class UnlabeledAdapter:
         self._n_resets = 0
         self._steps = self._updates = self._n_adapt = 0
         self._start = time.perf_counter()
+
+    def _held_bytes(self) -> int:
+        """What the adapter holds for the whole call: source copies, sums, the gate's windows."""
+        window = _window_bytes(self.runner.manifest)
+        held = sum(v.nbytes for v in self._source.values()) + self._gate_rows * window
+        held += sum(STATS_SUM_ARRAYS * 2 * self._source[n].nbytes for n in self._stats_names
+                    if n.endswith("running_mean"))
+        if self._head is not None:  # per-class feature sums
+            held += 2 * self._source[self._head.head.weight].nbytes
+        return held
+
+    def _plan_passes(self) -> None:
+        """Windows per pass (and per entropy step) within the bundle's memory budget, if any."""
+        if not self._stats_on and not self._entropy_on and self._head is None:
+            return
+        window = _window_bytes(self.runner.manifest)
+        passes = self.runner._call_plan.label_free_passes(
+            held_bytes=self._held_bytes(), max_pass_windows=INFERENCE_BATCH_WINDOWS,
+            max_stats_windows=STATS_BATCH_WINDOWS if self._stats_on else None,
+            min_stats_windows=STATS_GROUP_WINDOWS if self.settings.stats_weighting == "shrinkage" else 1,
+            view_bytes_per_window=VIEW_BYTES_PER_INPUT_BYTE * window, entropy_steps=self._entropy_on)
+        self._pass_windows, stats_windows, entropy_batch = passes
+        self._stats_windows = stats_windows or STATS_BATCH_WINDOWS
+        self._entropy_batch = min(self.settings.batch_size, entropy_batch or self.settings.batch_size)
 
     # ---- accumulators -------------------------------------------------------------------
     def _reset_sums(self) -> None:
@@ -275,8 +355,14 @@ class UnlabeledAdapter:
         for n, v in values.items():
             self._backend.set_tensor(n, v)
 
-    def _logits(self, X: np.ndarray) -> np.ndarray:
-        return self._head.run(X)[1] if self._head is not None else self.runner.predict(X)
+    def _logits(self, X: np.ndarray | Rows) -> np.ndarray:
+        """Logits of the windows ``X``, one inference pass (``_pass_windows``) at a time."""
+        parts = []
+        for start in range(0, len(X), self._pass_windows):
+            x = X[start:start + self._pass_windows]
+            parts.append(self._head.run(x, self._pass_windows)[1] if self._head is not None
+                         else self.runner.predict(x, batch_size=self._pass_windows))
+        return np.concatenate(parts)
 
     # ---- the gate's windows -------------------------------------------------------------
     def hold_back(self, X: np.ndarray, last: bool = False) -> np.ndarray:
@@ -288,14 +374,14 @@ class UnlabeledAdapter:
         gate's windows from its batches until there are ``gate_windows``).
         """
         s = self.settings
-        if not self._collecting or not s.gate or self._head is None or self._gate_fill >= s.gate_windows:
+        if not self._collecting or not s.gate or self._head is None or self._gate_fill >= self._gate_rows:
             return X
         self._collecting = not last
         if self._updates:
             raise RuntimeError("hold windows back before the first update: the source model is needed for them")
-        take = min(len(X), s.gate_windows - self._gate_fill)
+        take = min(len(X), self._gate_rows - self._gate_fill)
         if self._gate_X is None:
-            self._gate_X = np.empty((s.gate_windows, *X.shape[1:]), dtype=np.float32)
+            self._gate_X = np.empty((self._gate_rows, *X.shape[1:]), dtype=np.float32)
         self._gate_X[self._gate_fill:self._gate_fill + take] = X[:take]
         self._gate_fill += take
         self._gate_source = self._evidence()
@@ -303,8 +389,8 @@ class UnlabeledAdapter:
 
     def _evidence(self):
         X = self._gate_X[:self._gate_fill]
-        views = augmented_views(X, self.settings.seed, self.settings.gate_views)
-        return evidence(self._logits(X), [self._logits(v) for v in views])
+        views = view_logits(X, self.settings.seed, self.settings.gate_views, self._logits, self._pass_windows)
+        return evidence(self._logits(X), views)
 
     # ---- stages -------------------------------------------------------------------------
     def _batch_statistics(self, X: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -314,8 +400,6 @@ class UnlabeledAdapter:
         running statistic (``m`` the BatchNorm momentum); run from zeros it returns
         ``(1 - m) * batch``, and ``m`` itself is measured once from a second run from ones.
         """
-        from .features import suffix_inputs
-
         kept = self._take(self._stats_names)
         x = suffix_inputs(self.runner._prefix, X, len(X))
 
@@ -338,8 +422,8 @@ class UnlabeledAdapter:
         """Add the windows' per-channel statistics to the sums: pooled over passes of at most
         ``STATS_BATCH_WINDOWS`` windows, and (``"shrinkage"``) per group of at most
         ``STATS_GROUP_WINDOWS`` consecutive windows for the sampling noise."""
-        for start in range(0, len(X), STATS_BATCH_WINDOWS):
-            part = X[start:start + STATS_BATCH_WINDOWS]
+        for start in range(0, len(X), self._stats_windows):
+            part = X[start:start + self._stats_windows]
             for n, (mean, var) in self._batch_statistics(part).items():
                 self._stats_sum[n] += len(part) * mean
                 self._stats_sq[n] += len(part) * (var + mean * mean)
@@ -389,7 +473,7 @@ class UnlabeledAdapter:
             reliable = np.flatnonzero(ent < s.entropy_threshold)
             if len(reliable) < 2:
                 break
-            batch = self._rng.permutation(reliable)[:s.batch_size]
+            batch = self._rng.permutation(reliable)[:self._entropy_batch]
             self.runner.train_step(X[batch], None, lr=s.lr)
             self._put(stats)  # the training graph moves the running statistics: stage 1 owns them
             if s.anchor > 0:
@@ -402,16 +486,17 @@ class UnlabeledAdapter:
     def _prototypes(self, X: np.ndarray) -> None:
         s = self.settings
         head = self._head.head
-        feats, logits = self._head.run(X)
-        probs = softmax(logits)
-        classes = probs.argmax(axis=1)
-        confident = normalized_entropy(probs) < s.prototype_threshold
-        n_classes = probs.shape[1]
-        if self._proto_sum is None:
-            self._proto_sum = np.zeros((n_classes, feats.shape[1]))
-            self._proto_n = np.zeros(n_classes, dtype=np.int64)
-        np.add.at(self._proto_sum, classes[confident], feats[confident])
-        self._proto_n += np.bincount(classes[confident], minlength=n_classes)
+        for start in range(0, len(X), self._pass_windows):  # one pass's features at a time
+            feats, logits = self._head.run(X[start:start + self._pass_windows], self._pass_windows)
+            probs = softmax(logits)
+            classes = probs.argmax(axis=1)
+            confident = normalized_entropy(probs) < s.prototype_threshold
+            n_classes = probs.shape[1]
+            if self._proto_sum is None:
+                self._proto_sum = np.zeros((n_classes, feats.shape[1]))
+                self._proto_n = np.zeros(n_classes, dtype=np.int64)
+            np.add.at(self._proto_sum, classes[confident], feats[confident])
+            self._proto_n += np.bincount(classes[confident], minlength=n_classes)
         W = self._source[head.weight].astype(np.float64)
         W = W if head.transposed else W.T  # (classes, features)
         b = (self._source[head.bias].astype(np.float64) if head.bias else np.zeros(n_classes))
@@ -441,15 +526,17 @@ class UnlabeledAdapter:
         return True
 
     # ---- public -------------------------------------------------------------------------
-    def update(self, X: np.ndarray) -> None:
+    def update(self, X: np.ndarray, rows: np.ndarray | None = None) -> None:
         """Adapt on one batch of unlabeled windows (validated as :meth:`Runner.predict` does).
 
         While the gate still wants windows (a stream's beginning), they are held back first.
+        ``rows``: adapt on these windows of ``X`` only, in this order (none held back), gathered
+        one pass at a time rather than copied.
         """
         from .validate import check_inputs
 
         X = check_inputs(self.runner.manifest, X)
-        X = self.hold_back(X)
+        X = self.hold_back(X) if rows is None else Rows(X, rows)
         if not len(X):
             return
         reference = evidence(self._logits(X), []) if self._head is not None else None
@@ -546,13 +633,13 @@ def adapt_unlabeled(runner, X: np.ndarray, settings: UnlabeledSettings | None = 
     X = check_inputs(runner.manifest, X)
     if len(X) < 2:
         raise ValueError(f"label-free adaptation needs at least 2 windows, got {len(X)}")
+    n_gate = min(settings.gate_windows, max(1, int(round(settings.gate_fraction * len(X)))))
     with AdaptPeaks() as peaks:
-        adapter = UnlabeledAdapter(runner, settings)
+        adapter = UnlabeledAdapter(runner, settings, gate_rows=n_gate if settings.gate else 0)
         order = np.random.default_rng(settings.seed).permutation(len(X))
-        n_gate = min(settings.gate_windows, max(1, int(round(settings.gate_fraction * len(X)))))
         if settings.gate:
             adapter.hold_back(X[order[:n_gate]], last=True)
-            adapter.update(X[np.sort(order[n_gate:])])  # the caller's order: groups of neighbours
+            adapter.update(X, rows=np.sort(order[n_gate:]))  # the caller's order: groups of neighbours
         else:
             adapter.update(X)
         result = adapter.finish()

@@ -11,6 +11,7 @@ from .batching import minimum_budget, plan_for_budget, refit, replan
 from .cost import ENGINES, PHASES, CostModel, predict
 from .errors import BudgetExceeded, NoFeasiblePlan
 from .ir import Graph, Op, Param
+from .label_free_cost import predict_label_free
 from .offload import BlockTooLarge, plan_offload
 from .plan import Action, Mode, ParamPlan, Peak, Plan, Tier
 from .policy import Rule, UpdatePolicy
@@ -24,7 +25,7 @@ __all__ = [
     "Plan", "ParamPlan", "Peak", "Mode", "Tier", "Action", "parse_bytes", "format_bytes",
     "Rule", "UpdatePolicy",
     "plan_from_policy", "policy_of_plan", "resolve_params", "resolve_channels", "cut_of", "trained_bytes",
-    "CostModel", "predict", "PHASES", "ENGINES",
+    "CostModel", "predict", "predict_label_free", "PHASES", "ENGINES",
     "verify", "timeline", "TimelineEvent", "check_plan", "BudgetExceeded", "NoFeasiblePlan",
     "Unit", "candidate_units", "select_milp", "select_greedy",
     "Chain", "chain_from_graph", "min_flops_schedule", "min_peak_schedule", "sqrt_schedule",

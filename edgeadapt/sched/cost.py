@@ -48,6 +48,8 @@ from .resolve import trained_bytes
 __all__ = ["CostModel", "predict", "PHASES", "ENGINES", "needs_grad", "live_bytes", "activation_arrays",
            "ActivationArrays", "clean_cut", "channel_weight_bytes"]
 
+# The graph IR's op kind of a BatchNorm normalising with batch statistics.
+BATCH_NORM_KIND = "BatchNormalization"
 PHASES = ("session", "features", "rollback", "forward", "backward", "optimizer")
 # The shipped constants of each training engine (runtime.engines), measured by benchmarks/calibrate_cost.py.
 _CONSTANTS_FILES = {"ort-training": "cost_model.json", "portable": "cost_model_portable.json"}
@@ -84,6 +86,16 @@ class CostModel:
         rollback_factor: copies of the trained values kept for rollback.
         rollback_state_factor: copies of the optimizer state kept for rollback.
         optimizer_workspace_factor: transient bytes per trained byte during the update.
+        statistics_session_bytes: fixed cost of the forward-only statistics session a label-free
+            adaptation opens on first use (:mod:`.label_free_cost`).
+        statistics_op_bytes: that session's bytes per op of the training graph.
+        statistics_activation_factor: measured / modelled activation bytes of a statistics pass
+            (a forward with batch statistics: the per-channel moments' temporaries).
+        batch_norm_op_bytes: training-session bytes per BatchNormalization op with batch
+            statistics in the training graph (the engine's per-node state of its moments,
+            normalisation and running-statistics updates).
+        batch_norm_activation_factor: bytes per byte of those ops' outputs over a micro-batch
+            (the moments' and normalisation's buffers).
         calibration: where the constants come from (date, versions, command); not compared.
     """
 
@@ -101,6 +113,11 @@ class CostModel:
     rollback_factor: float = 1.0
     rollback_state_factor: float = 0.0
     optimizer_workspace_factor: float = 0.0
+    statistics_session_bytes: int = 0
+    statistics_op_bytes: int = 0
+    statistics_activation_factor: float = 1.0
+    batch_norm_op_bytes: int = 0
+    batch_norm_activation_factor: float = 0.0
     calibration: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -109,7 +126,7 @@ class CostModel:
             if f.name != "calibration" and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
                 raise ValueError(f"cost model: {f.name} must be a number >= 0, got {v!r}")
         for f in ("session_overhead_bytes", "prefix_session_overhead_bytes", "per_window_bytes", "grad_op_bytes",
-                  "graph_op_bytes"):
+                  "graph_op_bytes", "statistics_session_bytes", "statistics_op_bytes", "batch_norm_op_bytes"):
             if not isinstance(getattr(self, f), int):
                 raise ValueError(f"cost model: {f} must be an int")
 
@@ -130,6 +147,15 @@ class CostModel:
         whole weights' bytes)."""
         return (self.grad_op_bytes * n_grad_ops + self.graph_op_bytes * n_graph_ops
                 + math.ceil(self.channel_weight_factor * channel_weight_bytes))
+
+    def batch_norm_bytes(self, graph: Graph, start: int, micro_batch_windows: int) -> int:
+        """Training-session bytes of the BatchNormalization ops with batch statistics from op
+        ``start`` on (the graph IR keeps such ops as ``BatchNormalization``; frozen statistics
+        are exported as an affine op): per op, and per byte of their outputs over a micro-batch."""
+        ops = [op for op in graph.ops[start:] if op.kind == BATCH_NORM_KIND]
+        outputs = sum(op.output_bytes for op in ops)
+        return self.batch_norm_op_bytes * len(ops) + math.ceil(self.batch_norm_activation_factor * micro_batch_windows
+                                                               * outputs)
 
     def rollback_bytes(self, trained: int, optimizer: str) -> int:
         return math.ceil(trained * (self.rollback_factor + self.rollback_state_factor * self.state_factor(optimizer)))
@@ -235,14 +261,18 @@ def live_bytes(graph: Graph) -> list[int]:
 
 
 def clean_cut(graph: Graph, cut: int) -> bool:
-    """True when nothing after op ``cut`` reads the model input or an op before ``cut``, and no
-    op before ``cut`` leaves an output nobody reads.
+    """True when nothing after op ``cut`` reads the model input or an op before ``cut``, no op
+    before ``cut`` leaves an output nobody reads, and no op up to ``cut`` is a BatchNorm with
+    batch statistics.
 
     Only at such a cut can the prefix run as a separate inference model whose one output
-    (the features) feeds the rest.
+    (the features) feeds the rest: an inference model normalises with the running statistics,
+    not the batch's.
     """
     if cut < 0:
         return True
+    if any(op.kind == BATCH_NORM_KIND for op in graph.ops[:cut + 1]):
+        return False
     for op in graph.ops[cut + 1:]:
         if not op.inputs or any(graph.op_index(s) < cut for s in op.inputs):
             return False
@@ -357,7 +387,8 @@ def predict(graph: Graph, plan: Plan, cost: CostModel | None = None) -> Peak:
     m = plan.micro_batch_windows
     arr = activation_arrays(graph, trained_names, start)
     session = cost.session_bytes(trained, plan.optimizer) + cost.graph_bytes(
-        sum(arr.grad), len(graph.ops) - start, channel_weight_bytes(graph, plan.params))
+        sum(arr.grad), len(graph.ops) - start, channel_weight_bytes(graph, plan.params)) + cost.batch_norm_bytes(
+        graph, start, m)
     cache = plan.n_windows * graph.ops[plan.cut].output_bytes if caching else 0
     rollback = cost.rollback_bytes(trained, plan.optimizer)
     held = session + cache + rollback

@@ -212,7 +212,8 @@ def build_problem(graph: Graph, units: tuple[Unit, ...], cost: CostModel, *, mic
                 chain_cache[key] = (keep, low, sum(arr.grad))
             keep, low, n_grad = chain_cache[key]
             session_fixed = (cost.session_overhead_bytes + cost.grad_op_bytes * n_grad
-                             + cost.graph_op_bytes * (len(graph.ops) - start))  # as predict's session
+                             + cost.graph_op_bytes * (len(graph.ops) - start)
+                             + cost.batch_norm_bytes(graph, start, m))  # as predict's session
             cache_bytes = n_windows * graph.ops[cut].output_bytes if cache else 0
             features = (session_fixed + cost.prefix_session_overhead_bytes + cache_bytes
                         + cost.activation_bytes(m, max(live[: cut + 1]), inference=True)) if cache else 0

@@ -14,6 +14,7 @@ import onnx
 from onnx import numpy_helper
 
 from ...bundle import ParameterEntry
+from ...runtime.head_features import HEAD_FEATURES_OUTPUT, HEAD_FEATURES_ROLE, LinearHead, add_head_output
 from .optimizer_graph import optimizer_graph
 from .step_graphs import OPSET, PortableGraph, build_step_graphs, graph_parameters, trained_names
 
@@ -32,12 +33,14 @@ STEP_KEY = "step"
 @dataclass(frozen=True)
 class PortableFiles:
     """What :func:`write_portable` wrote: ``files`` (role -> file name), the manifest's
-    ``portable`` entry, the node count per graph and the seconds it took."""
+    ``portable`` entry, the node count per graph, the seconds it took and the linear head whose
+    input the eval graph also returns (``None``: the model ends in none)."""
 
     files: dict[str, str]
     portable: dict
     node_counts: dict[str, int]
     seconds: float
+    head: LinearHead | None = None
 
 
 def example_labels(loss: str, label: dict | None, n: int) -> np.ndarray | None:
@@ -66,6 +69,7 @@ def write_portable(stage: Path, model: onnx.ModelProto, entries: Sequence[Parame
     values = {n: numpy_helper.to_array(inits[n]) for n in graph_parameters(model, entries)}
     shapes = {n: values[n].shape for n in trained_names(entries) if n in values}
     graphs["portable_optimizer"] = optimizer_graph(shapes, optimizer)
+    graphs["portable_eval"], head = _with_head_output(graphs["portable_eval"])
     files = {}
     for role, graph in graphs.items():
         files[role] = PORTABLE_FILES[role]
@@ -76,4 +80,15 @@ def write_portable(stage: Path, model: onnx.ModelProto, entries: Sequence[Parame
     counts = {role: len(g.model.graph.node) for role, g in graphs.items()}
     log.info("portable graphs built in %.1f s (nodes: %s)", seconds, counts)
     portable = {"opset": OPSET, "recompute": False, "graphs": {role: g.interface() for role, g in graphs.items()}}
-    return PortableFiles(files, portable, counts, seconds)
+    return PortableFiles(files, portable, counts, seconds, head)
+
+
+def _with_head_output(graph: PortableGraph) -> tuple[PortableGraph, LinearHead | None]:
+    """The eval graph also returning its linear head's input (role ``head_features``), and the
+    head by parameter name; the graph unchanged and ``None`` when it ends in no linear head."""
+    names = {name: role.split(":", 1)[1] for role, name in graph.inputs if role.startswith("param:")}
+    head = add_head_output(graph.model, set(names), dict(graph.outputs)["output"])
+    if head is None:
+        return graph, None
+    outputs = (*graph.outputs, (HEAD_FEATURES_ROLE, HEAD_FEATURES_OUTPUT))
+    return PortableGraph(graph.model, graph.inputs, outputs), head.renamed(names)

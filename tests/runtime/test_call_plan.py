@@ -89,3 +89,40 @@ def test_calls_are_predicted_with_the_running_engines_constants():
     assert CallPlan(_manifest(g, exact), "ort-training").micro_batch(16, m, m, True, False) == m
     with pytest.raises(BudgetExceeded):
         CallPlan(_manifest(g, exact), "portable").micro_batch(16, m, m, True, False)
+
+
+def _label_free_peak(g, plan, passes, stats, held=10_000):
+    from edgeadapt.sched import CostModel, predict_label_free
+
+    return predict_label_free(g, plan, CostModel.default(), held_bytes=held, pass_windows=passes,
+                              stats_windows=stats, view_bytes_per_window=16 * g.input_bytes).peak_bytes
+
+
+@pytest.mark.parametrize("stats", [True, False])
+def test_label_free_passes_are_the_largest_that_fit_or_refused(stats):
+    g, plan = _cached_plan()
+    held = 10_000
+    for budget_factor in (0.5, 1.0, 1.5, 3.0, 10.0):
+        budget = int(plan.budget_bytes * budget_factor)
+        cp = CallPlan(_manifest(g, replace(plan, budget_bytes=budget)), "ort-training")
+        kwargs = dict(held_bytes=held, max_pass_windows=256, max_stats_windows=64 if stats else None,
+                      min_stats_windows=4, view_bytes_per_window=16 * g.input_bytes, entropy_steps=False)
+        try:
+            passes, stats_windows, entropy_batch = cp.label_free_passes(**kwargs)
+        except BudgetExceeded as e:
+            assert e.need_bytes > e.have_bytes == budget and "label-free" in str(e)
+            smallest = _label_free_peak(g, plan, 1, 4 if stats else None, held)
+            assert smallest > budget
+            continue
+        assert entropy_batch is None and (stats_windows is None) == (not stats)
+        assert _label_free_peak(g, plan, passes, stats_windows, held) <= budget
+        if passes < 256:  # the next size up would not fit
+            assert _label_free_peak(g, plan, passes * 2, stats_windows, held) > budget
+        if stats and stats_windows < 64:
+            assert _label_free_peak(g, plan, 1, stats_windows * 2, held) > budget
+
+
+def test_label_free_passes_without_a_budget_are_the_maxima():
+    cp = CallPlan(SimpleNamespace(plan=None, graph=None), "ort-training")
+    assert cp.label_free_passes(held_bytes=0, max_pass_windows=256, max_stats_windows=64, min_stats_windows=4,
+                                view_bytes_per_window=0, entropy_steps=True) == (256, 64, None)

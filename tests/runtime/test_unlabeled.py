@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from edgeadapt.runtime.safety_gate import (
-    GateSettings, ModelEvidence, agreement_changes, augmented_views, decide, evidence,
+    GateSettings, ModelEvidence, agreement_changes, augmented_views, decide, evidence, view_logits,
 )
 from edgeadapt.runtime.unlabeled import UnlabeledAdapter, UnlabeledSettings
 
@@ -27,8 +27,7 @@ NOISE = 0.1
 OFF = dict(stats_prior_windows=float("inf"), prototype_mix=0.0, gate=False)
 
 
-@pytest.fixture(scope="module")
-def toy_bundle(tmp_path_factory):
+def export_toy(out, backend: str):
     import torch
     from torch import nn
 
@@ -50,10 +49,20 @@ def toy_bundle(tmp_path_factory):
         model.head.weight.copy_(torch.eye(N_CLASSES))
         model.head.bias.zero_()
     model.eval()
-    out = tmp_path_factory.mktemp("toy") / "bundle"
-    export_bundle(model, torch.zeros(2, N_CLASSES, TIME_STEPS), out, policy=UpdatePolicy.parse("bias-norm"),
-                  loss="entropy", batchnorm="batch", backend="ort-training")
+    example = torch.from_numpy(windows(AMPLITUDE * np.eye(N_CLASSES)[[0, 1]]))
+    export_bundle(model, example, out, policy=UpdatePolicy.parse("bias-norm"),
+                  loss="entropy", batchnorm="batch", backend=backend)
     return out
+
+
+@pytest.fixture(scope="module")
+def toy_bundle(tmp_path_factory):
+    return export_toy(tmp_path_factory.mktemp("toy") / "bundle", "ort-training")
+
+
+@pytest.fixture(scope="module")
+def portable_toy(tmp_path_factory):
+    return export_toy(tmp_path_factory.mktemp("toy-portable") / "bundle", "portable")
 
 
 def windows(means: np.ndarray, seed: int = 0) -> np.ndarray:
@@ -293,6 +302,37 @@ def test_evidence_and_views():
     e = evidence(logits, [logits, logits[::-1]])
     assert e.max_class_share == pytest.approx(0.4)
     assert e.view_agreement == pytest.approx((1.0 + np.mean(logits.argmax(1) == logits[::-1].argmax(1))) / 2)
+
+
+@pytest.mark.parametrize("engine", ["ort-training", "portable"])
+def test_the_eval_graph_returns_the_head_features(engine, toy_bundle, portable_toy):
+    """Every engine's eval graph also returns the head's input: here the per-channel time means of
+    the BatchNorm output, computed in float64 from the bundle's own statistics. No second session."""
+    from edgeadapt.runtime.unlabeled import _EvalFeatures
+
+    runner = load(toy_bundle if engine == "ort-training" else portable_toy)
+    assert runner.manifest.head == {"weight": "head.weight", "bias": "head.bias", "transposed": True}
+    adapter = UnlabeledAdapter(runner, UnlabeledSettings(**{**OFF, "prototype_mix": 0.3}))
+    assert isinstance(adapter._head, _EvalFeatures)
+    X = windows(np.random.default_rng(1).normal(0, 3, (9, N_CLASSES)))
+    bn = {k: runner._backend.get_tensor(f"bn.{k}").astype(np.float64)
+          for k in ("weight", "bias", "running_mean", "running_var")}
+    want = ((X.astype(np.float64).mean(-1) - bn["running_mean"]) / np.sqrt(bn["running_var"] + 1e-5)
+            * bn["weight"] + bn["bias"])
+    feats, logits = adapter._head.run(X, batch_windows=4)
+    # float32 normalisation and a mean over 8 steps: a few ulps of the largest value
+    np.testing.assert_allclose(feats, want, rtol=0, atol=8 * np.finfo(np.float32).eps * np.abs(want).max())
+    np.testing.assert_array_equal(logits, runner.predict(X))
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 64])
+def test_views_built_in_chunks_are_the_same_views(chunk):
+    rng = np.random.default_rng(chunk)
+    X = (rng.standard_normal((11, 3, 20)) * rng.uniform(0.1, 10, (11, 3, 1))).astype(np.float32)
+    whole = augmented_views(X, seed=5, n_views=2)
+    np.testing.assert_array_equal(np.stack(view_logits(X, 5, 2, lambda v: v, chunk)), np.stack(whole))
+    sums = view_logits(X, 5, 2, lambda v: v.sum(axis=(1, 2))[:, None], chunk)  # a pass sees only its chunk
+    np.testing.assert_array_equal(sums[1], whole[1].sum(axis=(1, 2))[:, None])
 
 
 def held_arrays_bytes(adapter: UnlabeledAdapter) -> int:

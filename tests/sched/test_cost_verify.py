@@ -124,3 +124,30 @@ def test_clean_cut():
            Op("d", "X", ("d.w",), ("c",), 4))
     g = Graph(ops, (Param("d.w", (1,), module="d"),), 4, "skip")
     assert [clean_cut(g, c) for c in (-1, 0, 1, 2)] == [True, True, False, True]
+
+
+def _with_batch_norms(rng: random.Random, g: Graph) -> Graph:
+    """``g`` with about a third of its ops BatchNorms normalising with batch statistics."""
+    import dataclasses
+
+    ops = tuple(dataclasses.replace(op, kind="BatchNormalization") if rng.random() < 0.3 else op for op in g.ops)
+    return Graph(ops, g.params, g.input_bytes, g.name)
+
+
+def test_batch_statistics_terms_agree_and_forbid_cuts():
+    from edgeadapt.sched.cost import BATCH_NORM_KIND, clean_cut
+
+    cost = CostModel(**{**COST.to_dict(), "batch_norm_op_bytes": 17, "batch_norm_activation_factor": 0.6,
+                        "calibration": {}})
+    rng = random.Random(1)
+    for _ in range(300):
+        g = _with_batch_norms(rng, random_graph(rng, rng.randint(1, 12)))
+        plan = random_plan(rng, g)
+        assert verify(g, plan, cost=cost) == predict(g, plan, cost), plan
+        start = plan.cut + 1 if plan.cache_features and plan.cut >= 0 else 0
+        bn = [op for op in g.ops[start:] if op.kind == BATCH_NORM_KIND]
+        extra = 17 * len(bn) + math.ceil(0.6 * plan.micro_batch_windows * sum(op.output_bytes for op in bn))
+        assert (predict(g, plan, cost).phases_bytes["session"]
+                == predict(g, plan, COST).phases_bytes["session"] + extra)
+        first = next((i for i, op in enumerate(g.ops) if op.kind == BATCH_NORM_KIND), len(g.ops))
+        assert not any(clean_cut(g, c) for c in range(first, len(g.ops)))  # an inference prefix has no batch statistics
