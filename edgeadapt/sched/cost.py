@@ -36,7 +36,7 @@ from __future__ import annotations
 import functools
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from importlib import resources
 from typing import Any
@@ -94,8 +94,8 @@ class CostModel:
         batch_norm_op_bytes: training-session bytes per BatchNormalization op with batch
             statistics in the training graph (the engine's per-node state of its moments,
             normalisation and running-statistics updates).
-        batch_norm_activation_factor: bytes per byte of those ops' outputs over a micro-batch
-            (the moments' and normalisation's buffers).
+        batch_norm_activation_factor: bytes per byte of the outputs over a micro-batch of those
+            ops a gradient flows through (the normalised values and moments their backward keeps).
         calibration: where the constants come from (date, versions, command); not compared.
     """
 
@@ -148,12 +148,14 @@ class CostModel:
         return (self.grad_op_bytes * n_grad_ops + self.graph_op_bytes * n_graph_ops
                 + math.ceil(self.channel_weight_factor * channel_weight_bytes))
 
-    def batch_norm_bytes(self, graph: Graph, start: int, micro_batch_windows: int) -> int:
+    def batch_norm_bytes(self, graph: Graph, start: int, micro_batch_windows: int, grad: Sequence[bool]) -> int:
         """Training-session bytes of the BatchNormalization ops with batch statistics from op
         ``start`` on (the graph IR keeps such ops as ``BatchNormalization``; frozen statistics
-        are exported as an affine op): per op, and per byte of their outputs over a micro-batch."""
-        ops = [op for op in graph.ops[start:] if op.kind == BATCH_NORM_KIND]
-        outputs = sum(op.output_bytes for op in ops)
+        are exported as an affine op): per op, and per byte of the outputs over a micro-batch of
+        those a gradient flows through (``grad``, per op: the backward through batch statistics
+        keeps the normalised values and the moments)."""
+        ops = [i for i in range(start, len(graph.ops)) if graph.ops[i].kind == BATCH_NORM_KIND]
+        outputs = sum(graph.ops[i].output_bytes for i in ops if grad[i])
         return self.batch_norm_op_bytes * len(ops) + math.ceil(self.batch_norm_activation_factor * micro_batch_windows
                                                                * outputs)
 
@@ -388,7 +390,7 @@ def predict(graph: Graph, plan: Plan, cost: CostModel | None = None) -> Peak:
     arr = activation_arrays(graph, trained_names, start)
     session = cost.session_bytes(trained, plan.optimizer) + cost.graph_bytes(
         sum(arr.grad), len(graph.ops) - start, channel_weight_bytes(graph, plan.params)) + cost.batch_norm_bytes(
-        graph, start, m)
+        graph, start, m, arr.grad)
     cache = plan.n_windows * graph.ops[plan.cut].output_bytes if caching else 0
     rollback = cost.rollback_bytes(trained, plan.optimizer)
     held = session + cache + rollback

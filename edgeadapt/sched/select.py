@@ -209,11 +209,11 @@ def build_problem(graph: Graph, units: tuple[Unit, ...], cost: CostModel, *, mic
                 keep = chain_peak(chain, (False,) * len(chain))
                 # A feasible limit within 2% of the least (the table is an upper bound anyway).
                 low = min_peak(chain, rel_tol=0.02) if allow_remat and len(chain) else keep
-                chain_cache[key] = (keep, low, sum(arr.grad))
-            keep, low, n_grad = chain_cache[key]
+                chain_cache[key] = (keep, low, sum(arr.grad), arr.grad)
+            keep, low, n_grad, grad = chain_cache[key]
             session_fixed = (cost.session_overhead_bytes + cost.grad_op_bytes * n_grad
                              + cost.graph_op_bytes * (len(graph.ops) - start)
-                             + cost.batch_norm_bytes(graph, start, m))  # as predict's session
+                             + cost.batch_norm_bytes(graph, start, m, grad))  # as predict's session
             cache_bytes = n_windows * graph.ops[cut].output_bytes if cache else 0
             features = (session_fixed + cost.prefix_session_overhead_bytes + cache_bytes
                         + cost.activation_bytes(m, max(live[: cut + 1]), inference=True)) if cache else 0
