@@ -78,7 +78,7 @@ class MeasureSpec:
         method: the call measured: ``"adapt"`` (``Runner.adapt``), ``"bn-stats"``
             (``Runner.update_bn_statistics`` in batches of ``batch_windows``) or ``"unlabeled"``
             (``Runner.adapt_unlabeled`` with ``unlabeled`` settings, a dict of
-            :class:`~edgeadapt.runtime.UnlabeledSettings`; default: the recommended ones).
+            :class:`~edgeadapt.runtime.unlabeled.UnlabeledSettings`; default: the recommended ones).
     """
 
     bundle: str

@@ -137,7 +137,8 @@ class CallPlan:
         raise self._sched.BudgetExceeded(
             peak.peak_bytes, self.budget_bytes, peak.where,
             detail=f"label-free adaptation with {what} is over the bundle's memory budget; re-export with a "
-                   "larger memory_budget, or hold fewer windows back (gate_windows) or turn the gate off")
+                   "larger memory_budget, keep the source statistics (stats_prior_windows=inf: no statistics "
+                   "session), or hold fewer windows back for the gate (gate_windows; gate=False: none)")
 
 
 def _halvings(n: int) -> list[int]:

@@ -135,10 +135,12 @@ def add_head_output(model, params: set[str], output: str) -> LinearHead | None:
     if out_type.HasField("shape") and len(out_type.shape.dim) != 2:  # a head over a sequence: no per-window classifier
         return None
     n_features = weight.type.tensor_type.shape.dim[1 if head.transposed else 0].dim_value
+    if not n_features:  # a weight of unknown width: the runtime could not size the output
+        return None
     graph.node.append(onnx.helper.make_node("Identity", [features], [HEAD_FEATURES_OUTPUT],
                                             name="edgeadapt_head_features_identity"))
     graph.output.append(onnx.helper.make_tensor_value_info(
-        HEAD_FEATURES_OUTPUT, onnx.TensorProto.FLOAT, ["batch", n_features or "features"]))
+        HEAD_FEATURES_OUTPUT, onnx.TensorProto.FLOAT, ["batch", n_features]))
     return head
 
 

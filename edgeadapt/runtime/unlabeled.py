@@ -39,8 +39,12 @@ held-back windows and keeps the adaptation or returns to the source model;
 :class:`UnlabeledResult` reports the decision and its evidence.
 
 Memory is bounded: the adapter holds a copy of the tensors it may change (the source values),
-the per-channel and per-class sums, and at most ``gate_windows`` held-back windows with their
-views; a stream of any length adds nothing (``Runner.adapt_stream``).
+the per-channel and per-class sums, and at most ``gate_windows`` held-back windows; it runs
+inference and statistics passes of at most ``INFERENCE_BATCH_WINDOWS`` / ``STATS_BATCH_WINDOWS``
+windows and builds the gate's views one pass at a time; a stream of any length adds nothing
+(``Runner.adapt_stream``). Under a bundle's memory budget the passes are the largest whose
+predicted peak fits (:func:`edgeadapt.sched.predict_label_free`), or the call is refused before
+any work (``BudgetExceeded``).
 """
 
 from __future__ import annotations
@@ -87,6 +91,9 @@ VIEW_BYTES_PER_INPUT_BYTE = 16
 # float64 arrays of a BatchNorm's channel count held per layer: pooled sums, the groups' cluster
 # sums and the measured momentum.
 STATS_SUM_ARRAYS = 12
+# float32 head weights' worth of bytes the prototype stage holds: its per-class feature sums and
+# the source and mixed heads, all float64 (2 each).
+HEAD_COPIES = 6
 
 
 def _window_bytes(manifest) -> int:
@@ -314,8 +321,8 @@ class UnlabeledAdapter:
         held = sum(v.nbytes for v in self._source.values()) + self._gate_rows * window
         held += sum(STATS_SUM_ARRAYS * 2 * self._source[n].nbytes for n in self._stats_names
                     if n.endswith("running_mean"))
-        if self._head is not None:  # per-class feature sums
-            held += 2 * self._source[self._head.head.weight].nbytes
+        if self._head is not None:  # per-class feature sums and the head's float64 copies while mixing
+            held += HEAD_COPIES * self._source[self._head.head.weight].nbytes
         return held
 
     def _plan_passes(self) -> None:

@@ -451,3 +451,32 @@ def test_cli_unlabeled_bad_options(tmp_path, toy_bundle, capsys, extra, message)
     assert main(["adapt", str(toy_bundle), "--data", str(data), "--out", str(tmp_path / "out"), *extra]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_add_head_output_only_for_a_linear_head():
+    import onnx
+    from onnx import TensorProto, helper
+
+    from edgeadapt.runtime.head_features import HEAD_FEATURES_OUTPUT, add_head_output
+
+    def model(ends_linear: bool):
+        """Relu -> Gemm head (-> Relu when not ``ends_linear``), the weight and bias as inputs."""
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])
+        w = helper.make_tensor_value_info("w", TensorProto.FLOAT, [3, 4])
+        b = helper.make_tensor_value_info("b", TensorProto.FLOAT, [3])
+        y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])
+        nodes = [helper.make_node("Relu", ["x"], ["f"]),
+                 helper.make_node("Gemm", ["f", "w", "b"], ["y" if ends_linear else "g"], transB=1)]
+        if not ends_linear:
+            nodes.append(helper.make_node("Relu", ["g"], ["y"]))
+        return helper.make_model(helper.make_graph(nodes, "m", [x, w, b], [y]))
+
+    m = model(True)
+    head = add_head_output(m, {"w", "b"}, "y")
+    assert (head.weight, head.bias, head.transposed) == ("w", "b", True)
+    assert [o.name for o in m.graph.output] == ["y", HEAD_FEATURES_OUTPUT]
+    onnx.checker.check_model(m)
+    assert add_head_output(m, {"w", "b"}, "y") is None  # already there: unchanged
+    other = model(False)
+    assert add_head_output(other, {"w", "b"}, "y") is None and len(other.graph.output) == 1
+    assert add_head_output(model(True), {"b"}, "y") is None  # the weight is not a parameter
