@@ -36,6 +36,7 @@ printed only). The exported budgets are planned with the shipped constants of th
 Usage::
 
     .venv/bin/python benchmarks/calibrate_batch_statistics.py [--dry-run]
+    .venv/bin/python benchmarks/calibrate_batch_statistics.py --refit   # from the stored measurements
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def measure_training(workdir: Path, model: str, engine: str) -> list[dict]:
     batch-statistics terms."""
     from edgeadapt import sched
     from edgeadapt.harness.budget_check import build, check_budget, model_budgets
-    from edgeadapt.sched.cost import BATCH_NORM_KIND, activation_arrays
+    from edgeadapt.sched.cost import activation_arrays, batch_norm_ops
 
     settings = _settings(engine)
     net, example = build(model, settings)
@@ -89,9 +90,8 @@ def measure_training(workdir: Path, model: str, engine: str) -> list[dict]:
         plain = replace(sched.CostModel.default(engine), batch_norm_op_bytes=0, batch_norm_activation_factor=0.0)
         start = plan.cut + 1 if plan.cache_features and plan.cut >= 0 else 0
         grad = activation_arrays(graph, {p.name for p in plan.params if p.trains}, start).grad
-        bn = [i for i in range(start, len(graph.ops)) if graph.ops[i].kind == BATCH_NORM_KIND]
-        through = sum(graph.ops[i].output_bytes for i in bn if grad[i])
-        rows.append({"model": model, "engine": engine, "budget_bytes": budget, "bn_ops": len(bn),
+        n_bn, through = batch_norm_ops(graph, start, grad)
+        rows.append({"model": model, "engine": engine, "budget_bytes": budget, "bn_ops": n_bn,
                      "bn_window_bytes": plan.micro_batch_windows * through,
                      "predicted_plain_bytes": sched.predict(graph, plan, plain).peak_bytes,
                      "anon_bytes": row["call_peak_anon_bytes"]})
@@ -113,7 +113,9 @@ def fit_training(rows: list[dict]) -> dict:
     if not result.success:
         raise RuntimeError(f"no batch-statistics constants cover the measurements: {result.message}")
     per_op, factor = result.x * scale
-    return {"batch_norm_op_bytes": int(np.ceil(per_op)), "batch_norm_activation_factor": round(float(factor) + 5e-5, 4)}
+    # both rounded up: the constants must still cover every excess
+    return {"batch_norm_op_bytes": int(np.ceil(per_op)),
+            "batch_norm_activation_factor": float(np.ceil(factor * 1e4) / 1e4)}
 
 
 def measure_statistics(workdir: Path, model: str, engine: str) -> list[dict]:
@@ -181,8 +183,7 @@ def main() -> int:
                 continue
             shipped = json.loads(path.read_text())
             shipped.update(constants)
-            shipped.setdefault("calibration", {}).pop("statistics", None)
-            shipped["calibration"]["batch_statistics"] = {
+            shipped.setdefault("calibration", {})["batch_statistics"] = {
                 "date": dt.date.today().isoformat(), "command": "benchmarks/calibrate_batch_statistics.py",
                 "figure": "call_peak_anon_bytes (edgeadapt.measure, fresh process, heap trimmed)",
                 "training": training, "statistics": statistics}

@@ -231,28 +231,27 @@ def run_measurement(spec: MeasureSpec) -> dict[str, Any]:
         settings = UnlabeledSettings.from_dict(spec.unlabeled or {})
     with measure_call(trim_heap=spec.trim_heap, timeline=spec.timeline) as call:
         result = _measured_call(runner, spec, X, y, batch, settings)
-    if spec.method == "unlabeled":
-        return {"spec": asdict(spec), "device": runner.device, "backend": runner.backend,
-                "torch_imported": any(k == "torch" or k.startswith("torch.") for k in sys.modules),
-                "n_windows": int(len(X)), "budget_bytes": plan.get("budget_bytes"),
-                "kept": result.kept, "stages": list(result.stages), "time_s": result.time_s,
-                **call.figures(), "runner_call_peak_bytes": result.call_peak_bytes,
-                "runner_call_peak_anon_bytes": result.call_peak_anon_bytes, "timeline": call.timeline}
     report = {
         "spec": asdict(spec), "device": runner.device, "backend": runner.backend,
         "torch_imported": any(k == "torch" or k.startswith("torch.") for k in sys.modules),
-        "n_windows": int(len(X)), "batch_windows": batch, "epochs": spec.epochs, "steps": result.steps,
-        "epoch_losses": list(result.epoch_losses), "adapt_time_s": result.time_s,
-        "trainable_numel": m.trainable_numel, "total_numel": m.total_numel,
-        "budget_bytes": plan.get("budget_bytes"), "predicted_peak_bytes": plan.get("predicted_peak_bytes"),
-        "load_rss_bytes": loaded["VmRSS"] - imported["VmRSS"],
-        "load_anon_bytes": loaded["RssAnon"] - imported["RssAnon"],
-        **call.figures(),
-        # the runner's own figures (AdaptResult): its largest step, and its view of the call from inside
-        "step_peak_bytes": result.step_peak_bytes, "step_peak_anon_bytes": result.step_peak_anon_bytes,
+        "n_windows": int(len(X)), "budget_bytes": plan.get("budget_bytes"), **call.figures(),
+        # the runner's own view of the call from inside
         "runner_call_peak_bytes": result.call_peak_bytes, "runner_call_peak_anon_bytes": result.call_peak_anon_bytes,
         "timeline": call.timeline,
     }
+    if spec.method == "unlabeled":
+        report.update(kept=result.kept, stages=list(result.stages), time_s=result.time_s)
+    else:
+        report.update({
+            "batch_windows": batch, "epochs": spec.epochs, "steps": result.steps,
+            "epoch_losses": list(result.epoch_losses), "adapt_time_s": result.time_s,
+            "trainable_numel": m.trainable_numel, "total_numel": m.total_numel,
+            "predicted_peak_bytes": plan.get("predicted_peak_bytes"),
+            "load_rss_bytes": loaded["VmRSS"] - imported["VmRSS"],
+            "load_anon_bytes": loaded["RssAnon"] - imported["RssAnon"],
+            # the runner's largest step
+            "step_peak_bytes": result.step_peak_bytes, "step_peak_anon_bytes": result.step_peak_anon_bytes,
+        })
     if spec.eval_data:
         from .datasets import WindowDataset
 

@@ -46,7 +46,7 @@ from .plan import Peak, Plan
 from .resolve import trained_bytes
 
 __all__ = ["CostModel", "predict", "PHASES", "ENGINES", "needs_grad", "live_bytes", "activation_arrays",
-           "ActivationArrays", "clean_cut", "channel_weight_bytes"]
+           "ActivationArrays", "clean_cut", "channel_weight_bytes", "batch_norm_ops"]
 
 # The graph IR's op kind of a BatchNorm normalising with batch statistics.
 BATCH_NORM_KIND = "BatchNormalization"
@@ -154,10 +154,9 @@ class CostModel:
         are exported as an affine op): per op, and per byte of the outputs over a micro-batch of
         those a gradient flows through (``grad``, per op: the backward through batch statistics
         keeps the normalised values and the moments)."""
-        ops = [i for i in range(start, len(graph.ops)) if graph.ops[i].kind == BATCH_NORM_KIND]
-        outputs = sum(graph.ops[i].output_bytes for i in ops if grad[i])
-        return self.batch_norm_op_bytes * len(ops) + math.ceil(self.batch_norm_activation_factor * micro_batch_windows
-                                                               * outputs)
+        n_ops, outputs = batch_norm_ops(graph, start, grad)
+        return self.batch_norm_op_bytes * n_ops + math.ceil(self.batch_norm_activation_factor * micro_batch_windows
+                                                            * outputs)
 
     def rollback_bytes(self, trained: int, optimizer: str) -> int:
         return math.ceil(trained * (self.rollback_factor + self.rollback_state_factor * self.state_factor(optimizer)))
@@ -260,6 +259,13 @@ def live_bytes(graph: Graph) -> list[int]:
         acc += diff[i]
         out.append(acc + op.workspace_bytes)
     return out
+
+
+def batch_norm_ops(graph: Graph, start: int, grad: Sequence[bool]) -> tuple[int, int]:
+    """The BatchNormalization ops with batch statistics from op ``start`` on: how many, and the
+    output bytes per window of those a gradient flows through (``grad``, per op)."""
+    ops = [i for i in range(start, len(graph.ops)) if graph.ops[i].kind == BATCH_NORM_KIND]
+    return len(ops), sum(graph.ops[i].output_bytes for i in ops if grad[i])
 
 
 def clean_cut(graph: Graph, cut: int) -> bool:
