@@ -37,7 +37,7 @@ from .unsupported import UnsupportedOpError, module_of_node, unsupported_from_or
 from .objectives import LOSSES, OptimizerConfig, loss_block, optimizer_block, use_torch_adamw
 from .planning import check_entries, cut_model, manifest_plan, node_groups, plan_export, policy_of_plan
 from .prepare import channel_masks, prepare_from_plan, prepare_model
-from .selfcheck import SelfCheckError, choose_session
+from .selfcheck import SelfCheckError, check_batch, choose_session
 from .portable.check import check_portable
 from .portable.recurrent import RECURRENT_OPS
 from .portable.writer import example_labels, write_portable
@@ -466,11 +466,12 @@ def _export(model: nn.Module, example_input: torch.Tensor, out_dir: str | Path, 
 
         draft = draft_for(plan, bool(recomputed))
         stages.start(EXPORT_STAGES[4])
+        checked_example = check_batch(example_input.numpy())
         manifest = draft
         if "ort-training" in backends:
             try:
                 try:
-                    session = choose_session(stage, draft, prepared.module, prepared.entries, example_input.numpy())
+                    session = choose_session(stage, draft, prepared.module, prepared.entries, checked_example)
                 except SelfCheckError as e:
                     if not recomputed:
                         raise
@@ -479,7 +480,7 @@ def _export(model: nn.Module, example_input: torch.Tensor, out_dir: str | Path, 
                     # graph without the copies is checked first: if it fails too, the model is the cause.
                     training_path.write_bytes(plain_training)
                     draft = draft_for(plan, False)
-                    session = choose_session(stage, draft, prepared.module, prepared.entries, example_input.numpy())
+                    session = choose_session(stage, draft, prepared.module, prepared.entries, checked_example)
                     log.warning("recompute: ONNX Runtime's training step with the rebuilt tensors does not reproduce "
                                 "torch, without them it does; exporting without recompute, planned again (%s)",
                                 str(e).splitlines()[0])
@@ -501,7 +502,7 @@ def _export(model: nn.Module, example_input: torch.Tensor, out_dir: str | Path, 
                     plan = refit(graph, plan, allow_remat=False, cost=cost)
                 manifest = draft_for(plan, False)
         if portable is not None:
-            check_portable(stage, manifest, prepared.module, prepared.entries, example_input.numpy())
+            check_portable(stage, manifest, prepared.module, prepared.entries, checked_example)
         manifest = stamp_contract(stage, manifest)  # last: the graphs record the final settings
         write_manifest(stage, manifest)
     log.info("exported bundle to %s: %d of %d parameter elements train",

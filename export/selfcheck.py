@@ -89,6 +89,7 @@ __all__ = [
     "LOSS_RTOL",
     "LOSS_ATOL",
     "OUTPUT_RTOL",
+    "check_batch",
 ]
 
 log = logging.getLogger(__name__)
@@ -273,6 +274,33 @@ def compare_step(before: dict[str, np.ndarray], got: dict[str, np.ndarray], want
         d = compare_tensor(f"optimizer step of {name}{suffix}", got[name], w, 0.0, STEP_RTOL * step_norm + ulps)
         out.append(replace(d, reference_norm=step_norm))
     return out
+
+
+def check_batch(example: np.ndarray, seed: int = 0) -> np.ndarray:
+    """The batch the self-checks run on: the example input, unless every value in it is the same.
+
+    A constant example (``torch.zeros(...)`` is a common one) checks nothing worth checking and
+    makes some checks meaningless: a batch-statistics BatchNorm normalises a channel of zero
+    variance, so its output and every gradient through it are float32 rounding amplified by
+    ``1 / sqrt(eps)``, noise no engine reproduces (true gradients ~1e-15, float32 ~1e-7). Such an
+    example is replaced by seeded windows of the same shape that vary: standard normal around a
+    zero constant, the constant times ``exp(N(0, 1/4))`` otherwise (its sign kept, so a model of
+    a positive input still gets one).
+    """
+    example = np.asarray(example)
+    if example.size == 0 or not np.issubdtype(example.dtype, np.floating):
+        return example
+    first = example.flat[0]
+    if not (np.isfinite(first) and (example == first).all()):
+        return example
+    rng = np.random.default_rng(seed)
+    if first == 0:
+        varied = rng.standard_normal(example.shape)
+    else:
+        varied = float(first) * np.exp(0.5 * rng.standard_normal(example.shape))
+    log.info("the example input is constant (%g everywhere): the self-check runs on seeded windows of its shape "
+             "that vary", float(first))
+    return varied.astype(example.dtype)
 
 
 def _labels(manifest: Manifest, n: int) -> np.ndarray | None:

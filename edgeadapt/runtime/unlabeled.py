@@ -110,7 +110,7 @@ def _var_name(mean_name: str) -> str:
 @dataclass(frozen=True)
 class UnlabeledSettings:
     """Settings of label-free adaptation. The defaults are the recommended ``label-free`` method's,
-    chosen on source subjects only (``benchmarks/label_free_settings.py``; README).
+    chosen on source subjects only (``edgeadapt/harness/label_free_settings.py``; README).
 
     Attributes:
         stats_prior_windows: ``inf``: the source statistics stay (stage 1 off); otherwise, with

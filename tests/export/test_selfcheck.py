@@ -24,6 +24,7 @@ from edgeadapt.export.selfcheck import (
     GRAD_ATOL,
     REDUCTION_FACTOR,
     SelfCheckError,
+    check_batch,
     compare_gradients,
 )
 from edgeadapt.models import build_model
@@ -117,3 +118,28 @@ def test_a_slightly_wrong_optimizer_step_is_caught(tmp_path, monkeypatch):
     monkeypatch.setattr(OrtTrainingBackend, "apply_update", lambda self, lr: apply(self, lr * 1.001))
     with pytest.raises(SelfCheckError, match=r"optimizer step of [\w.]+ \(batch \d\)"):
         export_bundle(reference_model("cnn"), EXAMPLE, tmp_path / "b", policy=UpdatePolicy.last_layer())
+
+
+def test_check_batch_keeps_a_varied_example_and_replaces_a_constant_one():
+    varied = np.random.default_rng(0).standard_normal((2, 3, 16)).astype(np.float32)
+    assert check_batch(varied) is varied
+    for value in (0.0, 2.5, -1.0):
+        constant = np.full((2, 3, 16), value, np.float32)
+        out = check_batch(constant)
+        assert out.shape == constant.shape and out.dtype == np.float32
+        assert np.ptp(out) > 0, "the check batch must vary"
+        if value:
+            assert (np.sign(out) == np.sign(value)).all(), "a nonzero constant's sign is kept"
+        np.testing.assert_array_equal(out, check_batch(constant), "seeded: the same batch every time")
+
+
+@pytest.mark.parametrize("backend", ["ort-training", "portable"])
+def test_a_zero_example_exports_with_batch_statistics(tmp_path, backend):
+    # An all-zero example makes every batch-statistics BatchNorm normalise a channel of zero
+    # variance: gradients of pure float32 noise, refused before the check ran on varied windows.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(3, 8, 5), nn.BatchNorm1d(8), nn.ReLU(), nn.AdaptiveAvgPool1d(1),
+                          nn.Flatten(), nn.Linear(8, 6)).eval()
+    manifest = export_bundle(model, torch.zeros(2, 3, 32), tmp_path / "b", policy=UpdatePolicy.parse("bias-norm"),
+                             loss="entropy", batchnorm="batch", backend=backend)
+    assert manifest.trainable_numel > 0
