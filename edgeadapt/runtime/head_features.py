@@ -156,6 +156,8 @@ def find_linear_head(graph, params: set[str], output: str | None = None) -> tupl
 
     producers = {o: n for n in graph.node for o in n.output}
     out = producers.get(output or graph.output[0].name)
+    while out is not None and out.op_type == "Identity":  # an exporter's alias of the head's output
+        out = producers.get(out.input[0])
     bias = None
     if out is not None and out.op_type == "Gemm":
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in out.attribute}

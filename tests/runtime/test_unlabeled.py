@@ -459,8 +459,9 @@ def test_add_head_output_only_for_a_linear_head():
 
     from edgeadapt.runtime.head_features import HEAD_FEATURES_OUTPUT, add_head_output
 
-    def model(ends_linear: bool):
-        """Relu -> Gemm head (-> Relu when not ``ends_linear``), the weight and bias as inputs."""
+    def model(ends_linear: bool, alias: bool = False):
+        """Relu -> Gemm head (-> Relu when not ``ends_linear``; -> Identity with ``alias``, as the
+        torch exporter writes a graph whose output is the head's), the weight and bias as inputs."""
         x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])
         w = helper.make_tensor_value_info("w", TensorProto.FLOAT, [3, 4])
         b = helper.make_tensor_value_info("b", TensorProto.FLOAT, [3])
@@ -469,6 +470,9 @@ def test_add_head_output_only_for_a_linear_head():
                  helper.make_node("Gemm", ["f", "w", "b"], ["y" if ends_linear else "g"], transB=1)]
         if not ends_linear:
             nodes.append(helper.make_node("Relu", ["g"], ["y"]))
+        if alias:
+            nodes[-1].output[0] = "h"
+            nodes.append(helper.make_node("Identity", ["h"], ["y"]))
         return helper.make_model(helper.make_graph(nodes, "m", [x, w, b], [y]))
 
     m = model(True)
@@ -480,3 +484,9 @@ def test_add_head_output_only_for_a_linear_head():
     other = model(False)
     assert add_head_output(other, {"w", "b"}, "y") is None and len(other.graph.output) == 1
     assert add_head_output(model(True), {"b"}, "y") is None  # the weight is not a parameter
+    aliased = model(True, alias=True)
+    head = add_head_output(aliased, {"w", "b"}, "y")
+    assert head is not None and (head.weight, head.bias) == ("w", "b")
+    out = {o.output[0]: o for o in aliased.graph.node}[HEAD_FEATURES_OUTPUT]
+    assert list(out.input) == ["f"], "the features are the Gemm's input, not the alias's"
+    assert add_head_output(model(False, alias=True), {"w", "b"}, "y") is None
