@@ -93,7 +93,8 @@ FILE_ROLES = ("training_model", "eval_model", "optimizer_model", "checkpoint", "
 OPTIONAL_FILE_ROLES = ("prefix_model",)
 # The training engines a bundle can hold, and the files each one needs besides the shared ones
 # (masks, prefix_model). "portable": step graphs in standard ONNX ops for stock onnxruntime;
-# portable_stats is present iff batchnorm == "batch".
+# portable_stats is present iff batchnorm == "batch" and the model has BatchNorm running
+# statistics (its train graph returns "stat:" outputs).
 BACKENDS = ("ort-training", "portable")
 BACKEND_FILE_ROLES = {
     "ort-training": ("training_model", "eval_model", "optimizer_model", "checkpoint"),
@@ -407,7 +408,7 @@ class Manifest:
         if self.legacy_backend_key and tuple(self.backends) != ("ort-training",):
             raise BundleError("manifest.json: a bundle with the old 'backend' key holds only the ort-training backend")
         want = {role for b in self.backends for role in BACKEND_FILE_ROLES[b]}
-        if "portable" in self.backends and self.batch_statistics:
+        if "portable" in self.backends and self.batch_statistics and self._portable_running_statistics():
             want.add(PORTABLE_STATS_ROLE)
         allowed = want | set(SHARED_FILE_ROLES)
         missing, extra = sorted(want - set(self.files)), sorted(set(self.files) - allowed)
@@ -425,6 +426,12 @@ class Manifest:
             if graphs != need:
                 raise BundleError(f"manifest.json: portable.graphs describes {sorted(graphs)}, the files are "
                                   f"{sorted(need)}; re-export the bundle")
+
+    def _portable_running_statistics(self) -> bool:
+        """Whether the portable train graph updates running statistics (``stat:`` outputs); a
+        model without BatchNorm has none, in either BatchNorm mode."""
+        train = ((self.portable or {}).get("graphs") or {}).get("portable_train") or {}
+        return any(role.startswith("stat:") for role, _ in train.get("outputs", ()))
 
     def to_dict(self) -> dict[str, Any]:
         backends = ({"backend": "ort-training"} if self.legacy_backend_key

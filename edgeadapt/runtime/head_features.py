@@ -144,10 +144,19 @@ def add_head_output(model, params: set[str], output: str) -> LinearHead | None:
     return head
 
 
+def _over_classes(node) -> bool:
+    """Whether a (Log)Softmax node normalises over the last axis of a 2-D output (the classes)."""
+    import onnx
+
+    axis = next((onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), -1)
+    return axis in (-1, 1)
+
+
 def find_linear_head(graph, params: set[str], output: str | None = None) -> tuple[LinearHead, str]:
     """The linear head producing ``graph``'s output ``output`` (default: its first) and the name of
     its input (features):
-    ``Gemm(f, W, b)``, or ``Add(MatMul(f, W or Transpose(W)), b)`` (either ``Add`` operand order).
+    ``Gemm(f, W, b)``, or ``Add(MatMul(f, W or Transpose(W)), b)`` (either ``Add`` operand order),
+    possibly followed by ``Identity`` or ``LogSoftmax`` over the classes.
 
     Raises:
         ValueError: the output comes from no such head, or its weight or bias is not in ``params``.
@@ -156,7 +165,9 @@ def find_linear_head(graph, params: set[str], output: str | None = None) -> tupl
 
     producers = {o: n for n in graph.node for o in n.output}
     out = producers.get(output or graph.output[0].name)
-    while out is not None and out.op_type == "Identity":  # an exporter's alias of the head's output
+    # Through an exporter's alias of the head's output, and a log-softmax over the classes (the
+    # class scores up to a per-window constant: the same predictions and softmax).
+    while out is not None and (out.op_type == "Identity" or (out.op_type == "LogSoftmax" and _over_classes(out))):
         out = producers.get(out.input[0])
     bias = None
     if out is not None and out.op_type == "Gemm":

@@ -286,16 +286,17 @@ class UnlabeledAdapter:
         self._stats_windows, self._pass_windows = STATS_BATCH_WINDOWS, INFERENCE_BATCH_WINDOWS
         try:
             self._head = _features_source(runner, names, backend)
-        except ValueError as e:
-            self._skipped.append(f"prototypes and gate: {e}")
-        if s.prototype_mix > 0 and self._head is None:
-            raise ValueError(self._skipped[-1].split(": ", 1)[1])
+        except ValueError as e:  # no linear head: the gate and the collapse checks use the logits alone
+            if s.prototype_mix > 0:
+                self._skipped.append(f"prototypes: {e}")
         head = [] if self._head is None else [n for n in (self._head.head.weight, self._head.head.bias) if n]
         self._source = {n: backend.get_tensor(n) for n in dict.fromkeys(self._stats_names + self._trained + head)}
         self._stats_on = math.isfinite(s.stats_prior_windows) and bool(self._stats_names)
         if math.isfinite(s.stats_prior_windows) and not runner.manifest.batch_statistics:
             self._skipped.append("stats: the bundle normalises with frozen statistics (export with batchnorm='batch')")
             self._stats_on = False
+        elif math.isfinite(s.stats_prior_windows) and not self._stats_names:
+            self._skipped.append("stats: the model has no BatchNorm running statistics to re-estimate")
         self._entropy_on = s.entropy_steps > 0 and bool(self._trained)
         if s.entropy_steps > 0 and runner.manifest.loss != "entropy":
             self._skipped.append("entropy: the bundle's loss is not 'entropy' (export with loss='entropy')")
@@ -381,7 +382,7 @@ class UnlabeledAdapter:
         gate's windows from its batches until there are ``gate_windows``).
         """
         s = self.settings
-        if not self._collecting or not s.gate or self._head is None or self._gate_fill >= self._gate_rows:
+        if not self._collecting or not s.gate or self._gate_fill >= self._gate_rows:
             return X
         self._collecting = not last
         if self._updates:
@@ -546,17 +547,17 @@ class UnlabeledAdapter:
         X = self.hold_back(X) if rows is None else Rows(X, rows)
         if not len(X):
             return
-        reference = evidence(self._logits(X), []) if self._head is not None else None
+        reference = evidence(self._logits(X), [])
         if self._stats_on:
             before = self._take(self._stats_names)
             self._target_statistics(X)
             self._apply_statistics()
-            if reference is not None and self._check_collapse("stats", X, before, reference):
+            if self._check_collapse("stats", X, before, reference):
                 self._stats_on = False
         if self._entropy_on:
             before = self._take(self._trained)
             self._entropy_steps(X)
-            if reference is not None and self._check_collapse("entropy", X, before, reference):
+            if self._check_collapse("entropy", X, before, reference):
                 self._entropy_on = False
         if self._head is not None and self.settings.prototype_mix > 0:
             head = [n for n in (self._head.head.weight, self._head.head.bias) if n]

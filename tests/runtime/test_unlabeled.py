@@ -490,3 +490,64 @@ def test_add_head_output_only_for_a_linear_head():
     out = {o.output[0]: o for o in aliased.graph.node}[HEAD_FEATURES_OUTPUT]
     assert list(out.input) == ["f"], "the features are the Gemm's input, not the alias's"
     assert add_head_output(model(False, alias=True), {"w", "b"}, "y") is None
+    for axis, found in ((-1, True), (0, False)):  # a log-softmax over the classes, then over the batch
+        m = model(True)
+        m.graph.node[-1].output[0] = "z"
+        m.graph.node.append(helper.make_node("LogSoftmax", ["z"], ["y"], axis=axis))
+        assert (add_head_output(m, {"w", "b"}, "y") is not None) == found
+
+
+# ---- models the recipe meets in users' hands: no BatchNorm, no linear head, a log-softmax end ----
+def _export_user_net(out, end: str, backend: str):
+    """Conv -> GroupNorm (no running statistics) -> mean over time, then a linear head
+    (``end="linear"``), a linear head and a log-softmax (``"log_softmax"``) or no head at all, the
+    channels being the class scores (``"pooled"``); exported for label-free adaptation."""
+    import torch
+    from torch import nn
+
+    from edgeadapt.export import UpdatePolicy, export_bundle
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv1d(N_CLASSES, 6 if end != "pooled" else N_CLASSES, 3, padding=1)
+            self.norm = nn.GroupNorm(1, self.conv.out_channels)
+            self.head = nn.Linear(6, N_CLASSES) if end != "pooled" else None
+
+        def forward(self, x):
+            f = torch.relu(self.norm(self.conv(x))).mean(-1)
+            if self.head is None:
+                return f
+            z = self.head(f)
+            return torch.log_softmax(z, -1) if end == "log_softmax" else z
+
+    torch.manual_seed(0)
+    example = torch.from_numpy(balanced(2)[0])
+    export_bundle(Net().eval(), example, out, policy=UpdatePolicy.parse("bias-norm"), loss="entropy",
+                  batchnorm="batch", backend=backend)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["ort-training", "portable"])
+def test_a_model_without_batchnorm_exports_and_adapts_label_free(tmp_path, backend):
+    from edgeadapt.runtime import Runner
+
+    bundle = _export_user_net(tmp_path / "b", "linear", backend)
+    runner = Runner.load(bundle, device="cpu")
+    result = runner.adapt_unlabeled(balanced(8)[0])
+    assert "stats: the model has no BatchNorm running statistics to re-estimate" in result.skipped
+    assert result.gate is not None and result.gate.n_windows > 0
+    assert runner.manifest.head is not None
+
+
+@pytest.mark.parametrize("end", ["log_softmax", "pooled"])
+def test_the_gate_runs_with_or_without_a_linear_head(tmp_path, end):
+    from edgeadapt.runtime import Runner
+
+    bundle = _export_user_net(tmp_path / "b", end, "ort-training")
+    runner = Runner.load(bundle, device="cpu")
+    assert (runner.manifest.head is not None) == (end == "log_softmax")
+    result = runner.adapt_unlabeled(balanced(8)[0])  # the recommended defaults: prototypes on
+    assert result.gate is not None and result.gate.n_windows > 0, "the gate needs logits only"
+    skipped_prototypes = any(s.startswith("prototypes:") for s in result.skipped)
+    assert skipped_prototypes == (end == "pooled")
