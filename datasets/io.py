@@ -5,8 +5,8 @@ Accepted ``.npz`` layouts (read with ``allow_pickle=False``), told apart by thei
 * **saved dataset** — written by :meth:`WindowDataset.save_npz` (has the ``edgeadapt_format`` key).
 * **windows** — ``X``: ``(windows, time, channels)`` real numbers, **time before channels** (the layout
   most recording tools and Keras use; it is transposed to channels-first on loading),
-  ``y``: ``(windows,)`` integer class ids >= 0, ``subject``: ``(windows,)`` integers, optional
-  ``session``: ``(windows,)`` integers.
+  ``y``: ``(windows,)`` integer class ids >= 0, optional ``subject`` and ``session``:
+  ``(windows,)`` integers.
 * **continuous** — ``signal``: ``(time, channels)`` numbers, ``y``, ``subject`` and optional
   ``session``: one integer per sample; windowed with ``window_length_samples`` and
   ``overlap_fraction`` (see :func:`~edgeadapt.datasets.windows_from_continuous`).
@@ -21,9 +21,13 @@ needs ``sample_rate_hz``: windows are cut by ``window_length_samples``, and a da
 is not known has ``sample_rate_hz=None``.
 
 A ``.csv`` file holds continuous samples, one per row, with a header
-``subject,[session,]label,<channel>,<channel>,...``: integer subject (and session) ids, a label
+``[subject,][session,]label,<channel>,<channel>,...``: integer subject (and session) ids, a label
 that is either an integer class id or a class name, and one number per channel. It is windowed
 like the continuous ``.npz`` layout.
+
+``subject`` is optional in every layout (without it the file is one subject's, id 0). Labels
+(``y``, the ``label`` column) are required unless the loader is given ``require_labels=False``
+(unlabeled data, for label-free adaptation: every window is then of class 0).
 
 Every problem with a file is a ``ValueError`` that starts with the file's path.
 """
@@ -91,6 +95,21 @@ def _check_subject_windows(path: Path, dataset: WindowDataset, input_subjects: n
         )
 
 
+def _defaults(path: Path, stored, n: int, require_labels: bool) -> dict[str, np.ndarray]:
+    """The arrays of a file, with the optional ones filled in: no ``subject``: one subject (0);
+    no ``y`` where labels are not required: class 0 throughout (unlabeled data)."""
+    if "y" not in stored and require_labels:
+        raise ValueError(f"{path}: missing key 'y' (integer class ids; found {sorted(stored)}); "
+                         "unlabeled data is read by label-free adaptation (edgeadapt adapt --unlabeled)")
+    stored = dict(stored)
+    if "subject" not in stored:
+        stored["subject"] = np.zeros(n, dtype=np.int64)
+    if "y" not in stored:
+        logger.info("%s: no labels ('y'); read as unlabeled data", path)
+        stored["y"] = np.zeros(n, dtype=np.int64)
+    return stored
+
+
 def _metadata(stored: dict[str, np.ndarray], key: str, given: Any) -> Any:
     """The keyword argument if given, else the file's value (a list or a scalar), else None."""
     if given is not None:
@@ -111,6 +130,7 @@ def load_npz_file(
     class_names: Sequence[str] | None = None,
     channel_names: Sequence[str] | None = None,
     min_windows_per_subject: int = 1,
+    require_labels: bool = True,
 ) -> WindowDataset:
     """Load a ``.npz`` in any of the layouts in this module's docstring.
 
@@ -124,6 +144,8 @@ def load_npz_file(
         class_names: names of class ids 0.., default from the file or ``"0", "1", ...``.
         channel_names: channel names, default from the file or ``"ch0", "ch1", ...``.
         min_windows_per_subject: fail if any subject of the file ends up with fewer windows.
+        require_labels: ``False``: a file without ``y`` loads too (unlabeled data, for
+            label-free adaptation), every window of class 0.
 
     Raises:
         ValueError: starting with ``path``: unknown layout, missing keys, wrong shapes or
@@ -146,9 +168,7 @@ def load_npz_file(
             f"found keys {sorted(stored)}"
         )
     data_key = "X" if "X" in stored else "signal"
-    missing = [k for k in ("y", "subject") if k not in stored]
-    if missing:
-        raise ValueError(f"{path}: missing keys {missing} (found {sorted(stored)})")
+    stored = _defaults(path, stored, len(stored[data_key]), require_labels)
     unknown = sorted(set(stored) - {data_key, *_USER_KEYS})
     if unknown:
         logger.warning("%s: ignoring unknown keys %s (known: %s)", path, unknown, sorted({data_key, *_USER_KEYS}))
@@ -260,6 +280,19 @@ def _bounded_lines(path: Path, f) -> Iterator[str]:
         yield line
 
 
+_CSV_META = ("subject", "session", "label")
+
+
+def _meta_columns(header: list[str]) -> list[str]:
+    """The leading columns of a CSV header that are ``subject``, ``session``, ``label`` (each
+    optional, in that order); the rest are channels."""
+    meta: list[str] = []
+    for name in _CSV_META:
+        if header[len(meta):len(meta) + 1] == [name]:
+            meta.append(name)
+    return meta
+
+
 def _read_csv(path: Path) -> tuple[list[str], list[list[str]], list[int]]:
     """Header, columns of stripped cells, and the file line of each data row; blank lines skipped."""
     # utf-8-sig: spreadsheet exports often start with a byte-order mark.
@@ -274,11 +307,11 @@ def _read_csv(path: Path) -> tuple[list[str], list[list[str]], list[int]]:
 def _read_rows(path: Path, reader) -> tuple[list[str], list[list[str]], list[int]]:
     """:func:`_read_csv` on a csv reader."""
     header = [h.strip() for h in next(reader, [])]
-    n_meta = 3 if header[1:2] == ["session"] else 2
-    expected = ["subject", "session", "label"] if n_meta == 3 else ["subject", "label"]
-    if header[:n_meta] != expected or len(header) <= n_meta:
+    meta = _meta_columns(header)
+    misplaced = sorted(set(header[len(meta):]) & set(_CSV_META))
+    if len(header) <= len(meta) or misplaced:
         raise ValueError(
-            f"{path}: the header must be 'subject,[session,]label,<channel>,...' with at least one "
+            f"{path}: the header must be '[subject,][session,][label,]<channel>,...' with at least one "
             f"channel, got {header[:8]}{'...' if len(header) > 8 else ''}"
         )
     columns: list[list[str]] = [[] for _ in header]
@@ -305,12 +338,15 @@ def load_csv(
     label_rule: LabelRule | str = LabelRule.MAJORITY,
     class_names: Sequence[str] | None = None,
     min_windows_per_subject: int = 1,
+    require_labels: bool = True,
 ) -> WindowDataset:
     """Load continuous samples from a CSV file and window them.
 
-    Header: ``subject,[session,]label,<channel>,...``; channel names come from the header.
-    Labels that are all integers are class ids; otherwise they are class names, numbered in
-    the order of ``class_names`` if given, else alphabetically.
+    Header: ``[subject,][session,][label,]<channel>,...``; channel names come from the header.
+    Without ``subject`` every row is one subject's (0). Labels that are all integers are class
+    ids; otherwise they are class names, numbered in the order of ``class_names`` if given, else
+    alphabetically. Without ``label`` (allowed with ``require_labels=False``: unlabeled data)
+    every row is of class 0.
 
     Args:
         path: the file.
@@ -320,6 +356,7 @@ def load_csv(
         label_rule: window label from per-row labels (``"majority"`` or ``"last"``).
         class_names: names of the classes (see above).
         min_windows_per_subject: fail if any subject of the file ends up with fewer windows.
+        require_labels: ``False``: a file without a ``label`` column loads too.
 
     Raises:
         ValueError: starting with ``path`` (and the line where it applies): bad header, wrong
@@ -330,15 +367,25 @@ def load_csv(
         header, columns, lines = _read_csv(path)
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text ({e})") from e
-    n_meta = 3 if header[1:2] == ["session"] else 2
-    subject = _parse_column(path, columns[0], lines, "subject", int)
-    session = _parse_column(path, columns[1], lines, "session", int) if n_meta == 3 else None
+    meta = _meta_columns(header)
+    n_meta = len(meta)
+    if "label" not in meta and require_labels:
+        raise ValueError(f"{path}: no 'label' column (the header must be '[subject,][session,]label,<channel>,...', "
+                         f"got {header[:8]}); unlabeled data is read by label-free adaptation "
+                         "(edgeadapt adapt --unlabeled)")
+    column = {name: columns[i] for i, name in enumerate(meta)}
+    subject = (_parse_column(path, column["subject"], lines, "subject", int) if "subject" in column
+               else np.zeros(len(lines), dtype=np.int64))
+    session = _parse_column(path, column["session"], lines, "session", int) if "session" in column else None
     channels = zip(columns[n_meta:], header[n_meta:])
     signal = np.stack([_parse_column(path, cells, lines, name, float) for cells, name in channels], axis=1)
     bad_rows = np.flatnonzero(~np.isfinite(signal).all(axis=1))
     if bad_rows.size:
         raise ValueError(f"{path}, line {lines[bad_rows[0]]}: NaN/inf in a channel ({bad_rows.size} such rows)")
-    labels, class_names = _csv_labels(path, columns[n_meta - 1], class_names)
+    if "label" in column:
+        labels, class_names = _csv_labels(path, column["label"], class_names)
+    else:
+        labels, class_names = np.zeros(len(lines), dtype=np.int64), _class_names(path, class_names, np.zeros(1, int))
     try:
         dataset = windows_from_continuous(
             signal, labels, subject, session, sample_rate_hz=sample_rate_hz,

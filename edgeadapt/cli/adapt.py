@@ -31,7 +31,7 @@ def _adapt(args: argparse.Namespace) -> int:
     from .unlabeled import check_unlabeled_arguments, run_unlabeled
 
     check_unlabeled_arguments(args)
-    X, y = load_data(args, read_manifest(args.bundle, verify=False))
+    X, y = load_data(args, read_manifest(args.bundle, verify=False), labels=not args.unlabeled)
     runner = Runner.load(args.bundle, device=args.device, threads=args.threads, backend=args.backend)
     runner.check_save_target(args.out)  # refused now, not after training
     if args.unlabeled:

@@ -44,10 +44,10 @@ def window_length(args: argparse.Namespace, manifest) -> int:
     return n
 
 
-def load_data(args: argparse.Namespace, manifest):
+def load_data(args: argparse.Namespace, manifest, labels: bool = True):
     """(X, y) from an ``.npz``/``.csv`` in the edgeadapt.datasets formats, checked against the
     bundle before any session is opened. Continuous data (CSV, ``signal`` npz) are windowed to
-    the bundle's window length."""
+    the bundle's window length. ``labels=False``: the file may hold none, and ``y`` is ``None``."""
     from ..datasets import load_dataset
     from ..runtime.validate import check_inputs, check_labels
 
@@ -60,8 +60,8 @@ def load_data(args: argparse.Namespace, manifest):
         and "signal.npy" in zipfile.ZipFile(path).namelist())
     if continuous:
         kwargs["window_length_samples"] = window_length(args, manifest)
-    ds = load_dataset(path, **kwargs)
-    y = ds.y if manifest.label is not None else None
+    ds = load_dataset(path, require_labels=labels, **kwargs)
+    y = ds.y if labels and manifest.label is not None else None
     X = check_inputs(manifest, ds.X, what=f"{path} (X)")
     return X, check_labels(manifest, y, len(X), what=f"{path} (y)")
 
@@ -74,8 +74,9 @@ def printable(text: str, keep: str = "") -> str:
 
 def add_data(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True,
-                   help=".npz (X: windows x time x channels, y, subject) or .csv (continuous samples, "
-                        "windowed to the bundle's window length); see edgeadapt.datasets")
+                   help=".npz (X: windows x time x channels, y; optional subject) or .csv (continuous "
+                        "samples, windowed to the bundle's window length); y / the label column may be "
+                        "left out with --unlabeled; see edgeadapt.datasets")
     p.add_argument("--sample-rate-hz", type=float, default=None,
                    help="sampling rate, for files that do not store it (needed only with --window-s)")
     p.add_argument("--window-s", type=float, default=None,

@@ -16,13 +16,11 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from ..export import OptimizerConfig, UpdatePolicy, export_bundle
 
-    factory = load_factory(args.model)
-    kwargs = json.loads(args.factory_kwargs) if args.factory_kwargs else {}
-    model = factory(**kwargs)
+    shape = _input_shape(args.input_shape)
+    model = _build_model(args.model, args.factory_kwargs)
     if args.weights:
         state = torch.load(args.weights, map_location="cpu", weights_only=True)
         model.load_state_dict(state)
-    shape = [int(s) for s in args.input_shape.split(",")]
     example = torch.randn(args.batch_size, *shape)
     opt = OptimizerConfig(args.optimizer, lr=args.lr,
                           weight_decay=args.weight_decay if args.optimizer == "adamw" else 0.0)
@@ -38,6 +36,40 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"predicted peak of an adapt call over {manifest.plan['n_windows']} windows: "
               f"{format_bytes(predicted)}{budget}; details: edgeadapt plan {args.out}")
     return 0
+
+
+def _input_shape(text: str) -> list[int]:
+    """``--input-shape``: one window's sizes, comma-separated (``8,256``)."""
+    try:
+        shape = [int(s) for s in text.split(",")]
+    except ValueError:
+        shape = []
+    if not shape or min(shape) < 1:
+        raise ValueError(f"--input-shape must be one window's sizes, comma-separated positive integers such as "
+                         f"8,256 (channels,time steps), got {text!r}")
+    return shape
+
+
+def _build_model(spec: str, factory_kwargs: str | None):
+    """The model the factory ``spec`` (module:factory) returns for ``--factory-kwargs``."""
+    from torch import nn
+
+    factory = load_factory(spec)
+    try:
+        kwargs = json.loads(factory_kwargs) if factory_kwargs else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--factory-kwargs is not valid JSON ({e}); give an object such as "
+                         "'{\"n_classes\": 6}'") from None
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"--factory-kwargs must be a JSON object of keyword arguments, got {factory_kwargs!r}")
+    try:
+        model = factory(**kwargs)
+    except TypeError as e:  # wrong or missing arguments
+        raise ValueError(f"{spec}(**{kwargs}) failed: {e}; pass the factory's arguments with --factory-kwargs") \
+            from None
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"{spec} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

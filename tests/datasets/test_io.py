@@ -117,8 +117,7 @@ def test_channels_first_looking_x_warns(tmp_path, caplog):
 # --- Errors ------------------------------------------------------------------------------------
 
 _NPZ_ERRORS = [
-    ("missing y", lambda a: a.pop("y"), {}, r"missing keys \['y'\]"),
-    ("missing subject", lambda a: a.pop("subject"), {}, r"missing keys \['subject'\]"),
+    ("missing y", lambda a: a.pop("y"), {}, r"missing key 'y' .*edgeadapt adapt --unlabeled"),
     ("no data", lambda a: a.pop("X"), {}, r"expected either 'X' \(windows, time, channels\) or 'signal'"),
     ("both layouts", lambda a: a.update(signal=np.zeros((4, 2))), {}, "expected either 'X'"),
     ("2-D X", lambda a: a.update(X=np.zeros((6, 5))), {}, r"'X' must be 3-D \(windows, time, channels\).*'signal'"),
@@ -183,7 +182,8 @@ def test_continuous_npz_errors_name_file_and_problem(tmp_path, edit, kwargs, mat
 _GOOD_CSV = "subject,label,a,b\n" + "".join(f"{1 + i // 8},{i % 2},{i},{-i}\n" for i in range(16))
 
 _CSV_ERRORS = [
-    ("empty file", "", {}, r"the header must be 'subject,\[session,\]label,<channel>,...'"),
+    ("empty file", "", {}, r"the header must be '\[subject,\]\[session,\]\[label,\]<channel>,...'"),
+    ("no label", "subject,a\n1,2\n", {}, r"no 'label' column .*edgeadapt adapt --unlabeled"),
     ("no channel", "subject,label\n1,0\n", {}, "at least one channel"),
     ("wrong order", "label,subject,a\n0,1,2\n", {}, r"got \['label', 'subject', 'a'\]"),
     ("no rows", "subject,label,a\n\n", {}, "no data rows below the header"),
@@ -232,3 +232,38 @@ def test_unreadable_npz_is_named(tmp_path):
         load_dataset(path)
     with pytest.raises(FileNotFoundError, match="absent.npz"):
         load_npz_file(tmp_path / "absent.npz")
+
+
+def test_subject_is_optional_and_labels_are_with_require_labels_false(tmp_path):
+    arrays = _windowed_arrays()
+    one_person = {k: v for k, v in arrays.items() if k != "subject"}
+    np.savez(tmp_path / "one.npz", **one_person)
+    ds = load_npz_file(tmp_path / "one.npz")
+    np.testing.assert_array_equal(ds.subject, 0)
+    np.testing.assert_array_equal(ds.y, arrays["y"])
+    unlabeled = {k: v for k, v in one_person.items() if k != "y"}
+    np.savez(tmp_path / "unlabeled.npz", **unlabeled)
+    with pytest.raises(ValueError, match="missing key 'y'"):
+        load_npz_file(tmp_path / "unlabeled.npz")
+    ds = load_npz_file(tmp_path / "unlabeled.npz", require_labels=False)
+    np.testing.assert_array_equal(ds.X, arrays["X"].transpose(0, 2, 1).astype(np.float32))
+    np.testing.assert_array_equal(ds.y, 0)
+    # a CSV of bare channels: one subject, no labels
+    rows = "".join(f"{i},{-i}\n" for i in range(16))
+    (tmp_path / "bare.csv").write_text("a,b\n" + rows)
+    ds = load_csv(tmp_path / "bare.csv", window_length_samples=4, overlap_fraction=0.0, require_labels=False)
+    assert ds.X.shape == (4, 2, 4) and ds.channel_names == ("a", "b")
+    np.testing.assert_array_equal(ds.X[1, 0], [4, 5, 6, 7])
+    np.testing.assert_array_equal(ds.subject, 0)
+    with pytest.raises(ValueError, match="no 'label' column"):
+        load_csv(tmp_path / "bare.csv", window_length_samples=4)
+    # a label column without a subject one
+    (tmp_path / "label.csv").write_text("label,a,b\n" + "".join(f"{i // 8},{i},{-i}\n" for i in range(16)))
+    ds = load_csv(tmp_path / "label.csv", window_length_samples=8, overlap_fraction=0.0)
+    np.testing.assert_array_equal(ds.y, [0, 1])
+
+
+def test_a_metadata_name_among_the_channels_is_refused(tmp_path):
+    (tmp_path / "w.csv").write_text("label,subject,a\n0,1,2\n")
+    with pytest.raises(ValueError, match=r"got \['label', 'subject', 'a'\]"):
+        load_csv(tmp_path / "w.csv", window_length_samples=1)

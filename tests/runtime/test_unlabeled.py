@@ -429,6 +429,23 @@ def test_cli_adapt_unlabeled(tmp_path, toy_bundle, capsys, stream):
         assert report["stats_layer_weights"]["bn.running_mean"] > 0.9
 
 
+def test_cli_adapt_unlabeled_reads_a_file_without_labels_or_subjects(tmp_path, toy_bundle, capsys):
+    import json
+
+    from edgeadapt.cli import main
+
+    X, _ = balanced(20)
+    X[:, 2] += 1.5 * AMPLITUDE
+    np.savez(tmp_path / "unlabeled.npz", X=X.transpose(0, 2, 1))  # (windows, time, channels), nothing else
+    out = tmp_path / "out"
+    args = ["adapt", str(toy_bundle), "--data", str(tmp_path / "unlabeled.npz"), "--out", str(out), "--device", "cpu"]
+    assert main(args) == 2  # labelled adaptation needs labels: named in the error
+    assert "missing key 'y'" in capsys.readouterr().err
+    assert main([*args, "--unlabeled", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["n_gate_windows"] + report["n_adapt_windows"] == len(X)
+
+
 def test_cli_prints_the_statistics_weight(tmp_path, toy_bundle, capsys):
     from edgeadapt.cli import main
 
