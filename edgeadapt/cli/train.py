@@ -40,7 +40,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-optimizer-state", action="store_true",
                    help="under torchrun, ZeRO-1: each rank keeps the AdamW state of its own blocks only (about "
                         "1/world size of it) and broadcasts their updated weights; needs --offload host|disk")
-    p.add_argument("--checkpoint-dir", required=True, help="run directory: checkpoints, offload state, weights.pt")
+    p.add_argument("--checkpoint-dir", help="run directory: checkpoints, offload state, weights.pt (required "
+                                            "unless --plan-only)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="steps between checkpoints (default 0: only at the end)")

@@ -263,6 +263,9 @@ def cmd_train(args: argparse.Namespace, echo=print) -> int:
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
     if getattr(args, "plan_only", False):
         return _print_plan(args, budget, echo)
+    if not args.checkpoint_dir:
+        raise ValueError("--checkpoint-dir is required to train (the run's checkpoints, offload state and "
+                         "weights.pt go there); --plan-only prints the plan without one")
     run_dir = Path(args.checkpoint_dir)
     device_type = "cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu"
     ctx = init_from_env(device_type)

@@ -228,6 +228,11 @@ def test_train_plan_only_prints_the_plan_and_writes_nothing(tmp_path, capsys):
     assert "of 3.00 MiB" in out and not run.exists()
     assert main([*args, "--memory-budget", "100KiB"]) == 2
     assert "smallest budget" in capsys.readouterr().err and not run.exists()
+    no_dir = [a for a in args if a not in ("--checkpoint-dir", str(run))]
+    assert main([*no_dir, "--memory-budget", "3MiB"]) == 0  # a plan needs no run directory
+    assert "predicted peak:" in capsys.readouterr().out
+    assert main([a for a in no_dir if a != "--plan-only"]) == 2  # training does, named
+    assert "--checkpoint-dir is required to train" in capsys.readouterr().err
 
 
 def test_train_progress_shows_the_tracked_peak_against_the_budget(tmp_path, capsys):
