@@ -44,12 +44,13 @@ def window_length(args: argparse.Namespace, manifest) -> int:
     return n
 
 
-def load_data(args: argparse.Namespace, manifest, labels: bool = True):
+def load_data(args: argparse.Namespace, manifest, labels: bool = True, accuracy: bool = False):
     """(X, y) from an ``.npz``/``.csv`` in the edgeadapt.datasets formats, checked against the
     bundle before any session is opened. Continuous data (CSV, ``signal`` npz) are windowed to
-    the bundle's window length. ``labels=False``: the file may hold none, and ``y`` is ``None``."""
+    the bundle's window length. ``labels=False``: the file may hold none, and ``y`` is ``None``;
+    ``accuracy``: a label-free bundle gets the file's class ids too (for the accuracy)."""
     from ..datasets import load_dataset
-    from ..runtime.validate import check_inputs, check_labels
+    from ..runtime.validate import check_class_ids, check_inputs, check_labels
 
     if args.sample_rate_hz is not None and not (args.sample_rate_hz > 0 and args.sample_rate_hz < float("inf")):
         raise ValueError(f"--sample-rate-hz must be a positive number, got {args.sample_rate_hz}")
@@ -61,8 +62,10 @@ def load_data(args: argparse.Namespace, manifest, labels: bool = True):
     if continuous:
         kwargs["window_length_samples"] = window_length(args, manifest)
     ds = load_dataset(path, require_labels=labels, **kwargs)
-    y = ds.y if labels and manifest.label is not None else None
     X = check_inputs(manifest, ds.X, what=f"{path} (X)")
+    if labels and accuracy and manifest.label is None:
+        return X, check_class_ids(ds.y, len(X), manifest.output.shape[-1], what=f"{path} (y)")
+    y = ds.y if labels and manifest.label is not None else None
     return X, check_labels(manifest, y, len(X), what=f"{path} (y)")
 
 

@@ -14,7 +14,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from ..bundle import read_manifest
     from ..runtime import Runner
 
-    X, y = load_data(args, read_manifest(args.bundle, verify=False))
+    X, y = load_data(args, read_manifest(args.bundle, verify=False), accuracy=True)
     runner = Runner.load(args.bundle, device=args.device, threads=args.threads, backend=args.backend)
     r = runner.evaluate(X, y)
     result = {"loss": r.loss, "accuracy": r.accuracy, "n_windows": r.n_windows}

@@ -43,7 +43,7 @@ from .peaks import AdaptPeaks
 from .rollback import EpochValues
 from .features import PrefixModel, merge_inference, open_prefix, suffix_inputs
 from ..onnx_guard import MAX_ABS_VALUE, check_bundle_models, check_checkpoint_values
-from .validate import check_inputs, check_labels, check_learning_rate
+from .validate import check_class_ids, check_inputs, check_labels, check_learning_rate
 from .arrays import Rows
 from .unlabeled import adapt_stream, adapt_unlabeled
 
@@ -537,8 +537,13 @@ class Runner:
         return np.concatenate(outs, axis=0)
 
     def evaluate(self, X: np.ndarray, y: np.ndarray | None = None, batch_size: int = 256) -> EvalResult:
-        """Mean loss and (for cross-entropy bundles) accuracy on ``X``/``y``."""
+        """Mean loss and accuracy on ``X``/``y``: cross-entropy bundles need ``y``; a label-free
+        (entropy) bundle's loss needs none, and class ids ``y`` given to it give the accuracy."""
         X = check_inputs(self.manifest, X)
+        classes = None
+        if self.manifest.loss == "entropy" and y is not None:  # labels for the accuracy only
+            classes = check_class_ids(y, X.shape[0], self.manifest.output.shape[-1])
+            y = None
         y = check_labels(self.manifest, y, X.shape[0])
         total_loss, outputs = 0.0, []
         for i in range(0, len(X), batch_size):
@@ -548,7 +553,9 @@ class Runner:
             total_loss += loss * len(xb)
             outputs.append(out)
         logits = np.concatenate(outputs, axis=0)
-        acc = float((logits.argmax(axis=1) == y).mean()) if self.manifest.loss == "cross_entropy" else None
+        if classes is None and self.manifest.loss == "cross_entropy":
+            classes = y
+        acc = float((logits.argmax(axis=1) == classes).mean()) if classes is not None else None
         return EvalResult(total_loss / len(X), acc, len(X))
 
     def parameters(self, trainable_only: bool = False) -> dict[str, np.ndarray]:

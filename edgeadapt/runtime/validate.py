@@ -11,7 +11,7 @@ from .arrays import native_contiguous
 from .errors import InputError
 from .finite import SQUARE_SAFE_LIMIT
 
-__all__ = ["check_inputs", "check_labels", "check_learning_rate"]
+__all__ = ["check_inputs", "check_labels", "check_class_ids", "check_learning_rate"]
 
 
 def check_learning_rate(lr: object, what: str = "lr") -> float:
@@ -98,6 +98,37 @@ def _count_out_of_range(x: np.ndarray) -> tuple[tuple[int, tuple | None], tuple[
     return (counts[0], firsts[0]), (counts[1], firsts[1])
 
 
+def _one_per_window(y, n_windows: int, what: str) -> None:
+    if not isinstance(y, np.ndarray):
+        raise InputError(f"{what} must be a numpy array, got {type(y).__name__}")
+    if y.ndim == 0:
+        raise InputError(f"{what} is a scalar; it must hold one entry per window of X ({n_windows})")
+    if y.shape[0] != n_windows:
+        raise InputError(f"{what} has {y.shape[0]} entries but X has {n_windows} windows; they must match")
+
+
+def _class_ids(y: np.ndarray, n_classes: int, what: str, purpose: str) -> np.ndarray:
+    if not np.issubdtype(y.dtype, np.integer):
+        raise InputError(f"{what} must hold integer class indices {purpose}, got dtype {y.dtype}")
+    if y.ndim != 1:
+        raise InputError(f"{what} must have shape (windows,), got {list(y.shape)}")
+    lo, hi = int(y.min()), int(y.max())
+    if lo < 0 or hi >= n_classes:
+        raise InputError(
+            f"{what} has labels in [{lo}, {hi}] but the model has {n_classes} classes (0..{n_classes - 1}); "
+            "map the labels to the classes the source model was trained on"
+        )
+    return native_contiguous(y)
+
+
+def check_class_ids(y: np.ndarray, n_windows: int, n_classes: int, what: str = "y",
+                    purpose: str = "for the accuracy") -> np.ndarray:
+    """``y`` as integer class ids, one per window, in ``0..n_classes-1`` (native-order,
+    C-contiguous); :class:`InputError` naming what is wrong otherwise."""
+    _one_per_window(y, n_windows, what)
+    return _class_ids(y, n_classes, what, purpose)
+
+
 def check_labels(manifest: Manifest, y: np.ndarray | None, n_windows: int, what: str = "y") -> np.ndarray | None:
     """``y`` as the runner feeds it (native-order, C-contiguous, see :func:`check_inputs`), or
     ``None`` for a label-free loss; :class:`InputError` unless ``y`` suits the bundle's loss (or
@@ -109,30 +140,15 @@ def check_labels(manifest: Manifest, y: np.ndarray | None, n_windows: int, what:
         return None
     if y is None:
         raise InputError(f"the bundle's loss {manifest.loss!r} needs labels; pass {what}")
-    if not isinstance(y, np.ndarray):
-        raise InputError(f"{what} must be a numpy array, got {type(y).__name__}")
-    if y.ndim == 0:
-        raise InputError(f"{what} is a scalar; it must hold one entry per window of X ({n_windows})")
-    if y.shape[0] != n_windows:
-        raise InputError(f"{what} has {y.shape[0]} entries but X has {n_windows} windows; they must match")
+    _one_per_window(y, n_windows, what)
     if manifest.loss == "cross_entropy":
-        if not np.issubdtype(y.dtype, np.integer):
-            raise InputError(f"{what} must hold integer class indices for cross_entropy, got dtype {y.dtype}")
-        if y.dtype.newbyteorder("=") != np.dtype(spec["dtype"]):
+        if np.issubdtype(y.dtype, np.integer) and y.dtype.newbyteorder("=") != np.dtype(spec["dtype"]):
             raise InputError(
                 f"{what} has dtype {y.dtype}, the bundle expects {spec['dtype']} class indices; "
                 f"convert with {what}.astype(np.{spec['dtype']})"
             )
-        if y.ndim != 1:
-            raise InputError(f"{what} must have shape (windows,), got {list(y.shape)}")
         n = spec["n_classes"] if spec["n_classes"] is not None else manifest.output.shape[-1]
-        lo, hi = int(y.min()), int(y.max())
-        if lo < 0 or hi >= n:
-            raise InputError(
-                f"{what} has labels in [{lo}, {hi}] but the model has {n} classes (0..{n - 1}); "
-                "map the labels to the classes the source model was trained on"
-            )
-        return native_contiguous(y)
+        return _class_ids(y, n, what, "for cross_entropy")
     want = spec["shape"]
     if y.ndim != len(want) or any(w is not None and w != g for w, g in zip(want, y.shape)):
         raise InputError(f"{what} has shape {list(y.shape)}, "

@@ -568,3 +568,27 @@ def test_the_gate_runs_with_or_without_a_linear_head(tmp_path, end):
     assert result.gate is not None and result.gate.n_windows > 0, "the gate needs logits only"
     skipped_prototypes = any(s.startswith("prototypes:") for s in result.skipped)
     assert skipped_prototypes == (end == "pooled")
+
+
+def test_a_label_free_bundle_is_evaluated_with_labels_for_the_accuracy(tmp_path, toy_bundle, capsys):
+    import json
+
+    from edgeadapt.cli import main
+    from edgeadapt.runtime.errors import InputError
+
+    runner = load(toy_bundle)
+    X, y = balanced(6)
+    y_wrong = (y + 1) % N_CLASSES
+    loss_only = runner.evaluate(X)
+    assert loss_only.accuracy is None
+    with_labels = runner.evaluate(X, y)
+    assert with_labels.accuracy == accuracy(runner, X, y) == 1.0
+    assert runner.evaluate(X, y_wrong).accuracy == 0.0
+    assert with_labels.loss == loss_only.loss  # the entropy: the labels change nothing but the accuracy
+    with pytest.raises(InputError, match=r"labels in \[0, 3\] but the model has 3 classes"):
+        runner.evaluate(X, np.arange(len(X)) % 4)
+    with pytest.raises(InputError, match="integer class indices for the accuracy"):
+        runner.evaluate(X, y.astype(np.float32))
+    data = _data_file(tmp_path, X, y)
+    assert main(["evaluate", str(toy_bundle), "--data", str(data), "--json", "--device", "cpu"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["accuracy"] == 1.0
