@@ -106,3 +106,27 @@ def test_a_given_policy_over_the_budget_is_refused_with_the_numbers(tmp_path, ca
     assert _export_cli(tmp_path / "full", "--policy", "full", "--memory-budget", "4KiB") == 2
     err = capsys.readouterr().err
     assert "bytes" in err and "budget" in err and not (tmp_path / "full").exists()
+
+
+def test_plan_unlabeled_reports_the_label_free_call_within_the_budget(tmp_path, capsys):
+    out = tmp_path / "lf"
+    assert _export_cli(out, "--loss", "entropy", "--batchnorm", "batch", "--policy", "bias-norm",
+                       "--memory-budget", "16MiB", "--backend", "ort-training") == 0
+    capsys.readouterr()
+    assert main(["plan", str(out), "--unlabeled", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["n_windows"] == 32 and report["gate_windows"] == 8 and report["budget_bytes"] == 16 * 2**20
+    assert report["stages"] == ["stats", "prototypes"] and report["stats_windows"] >= 4
+    assert 0 < report["predicted"]["peak_bytes"] <= report["budget_bytes"]
+    assert report["measured"] is None
+    # the same passes the call itself takes
+    from edgeadapt.runtime import Runner
+    from edgeadapt.runtime.unlabeled import UnlabeledAdapter
+
+    adapter = UnlabeledAdapter(Runner.load(out, device="cpu", threads=1), gate_rows=8)
+    assert (adapter.plan()["pass_windows"], adapter.plan()["stats_windows"]) == (report["pass_windows"],
+                                                                              report["stats_windows"])
+    assert main(["plan", str(out), "--unlabeled", "--measure"]) == 0
+    text = capsys.readouterr().out
+    assert "label-free   adapt_unlabeled over 32 windows" in text and "anonymous (RssAnon)" in text
+    assert main(["plan", str(out), "--unlabeled", "--batch-windows", "4"]) == 2  # adapt's option: refused

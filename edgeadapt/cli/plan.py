@@ -22,7 +22,8 @@ from typing import Any
 
 from ..units import format_bytes
 
-__all__ = ["plan_report", "format_report", "measure_adapt", "draw_timeline", "cmd_plan", "add_plan_parser"]
+__all__ = ["plan_report", "format_report", "measure_adapt", "label_free_report", "format_label_free",
+           "measure_label_free", "draw_timeline", "cmd_plan", "add_plan_parser"]
 
 
 # ---- the report ---------------------------------------------------------------------------
@@ -186,6 +187,62 @@ def measure_adapt(bundle_dir: str | os.PathLike, *, n_windows: int | None = None
     return measure_in_fresh_process(spec, timeout_s=timeout_s)
 
 
+# ---- the label-free call ------------------------------------------------------------------------
+def label_free_report(bundle_dir: str | os.PathLike, *, n_windows: int | None = None) -> dict[str, Any]:
+    """How ``Runner.adapt_unlabeled`` (the recommended settings) runs on ``n_windows`` windows
+    (default: the plan's) under the bundle's budget: :meth:`UnlabeledAdapter.plan
+    <edgeadapt.runtime.unlabeled.UnlabeledAdapter.plan>` of the engine that would run it.
+
+    Raises:
+        BudgetExceeded: not even the smallest passes fit the budget (what the call would raise).
+    """
+    from ..runtime import Runner
+    from ..runtime.unlabeled import UnlabeledAdapter, UnlabeledSettings
+
+    _, plan, _ = _load(bundle_dir)
+    n = n_windows or plan.n_windows
+    settings = UnlabeledSettings()
+    runner = Runner.load(bundle_dir, device="cpu", threads=1)
+    n_gate = min(settings.gate_windows, max(1, int(round(settings.gate_fraction * n))))
+    return {"bundle": str(bundle_dir), "engine": runner.backend, "n_windows": n,
+            **UnlabeledAdapter(runner, settings, gate_rows=n_gate).plan()}
+
+
+def format_label_free(r: dict[str, Any], measured: dict[str, Any] | None = None) -> str:
+    """The human-readable form of :func:`label_free_report` (and of its measurement)."""
+    budget = "none" if r["budget_bytes"] is None else format_bytes(r["budget_bytes"])
+    out = [f"label-free   adapt_unlabeled over {r['n_windows']} windows ({r['gate_windows']} held back for the "
+           f"gate), engine {r['engine']}, budget {budget}",
+           f"  stages     {', '.join(r['stages']) or 'none'}",
+           *(f"  skipped    {s}" for s in r["skipped"]),
+           f"  passes     {r['pass_windows']} windows per inference pass"
+           + (f", {r['stats_windows']} per statistics pass" if r["stats_windows"] else "")
+           + (f", {r['entropy_step_windows']} per entropy step" if r["entropy_step_windows"] else ""),
+           f"  held       {format_bytes(r['held_bytes'])} (source copies, sums, the gate's windows)"]
+    peak = r["predicted"]
+    if peak is not None:
+        out.append(f"  predicted  {format_bytes(peak['peak_bytes'])} at {peak['where']}")
+        out.extend(_phase_lines(peak))
+    if measured is not None:
+        out.append("  measured   fresh torch-free process as a user has it (edgeadapt.measure)")
+        for label, key in (("total (VmHWM delta)", "call_peak_bytes"), ("anonymous (RssAnon)", "call_peak_anon_bytes")):
+            v = measured[key]
+            ratio = f"  ({v / peak['peak_bytes']:.2f}x predicted)" if peak else ""
+            out.append(f"    {label:<22} {format_bytes(v):>11}{ratio}")
+    return "\n".join(out)
+
+
+def measure_label_free(bundle_dir: str | os.PathLike, *, n_windows: int, device: str = "cpu",
+                       threads: int | None = 1, timeout_s: float = 600) -> dict[str, Any]:
+    """One ``adapt_unlabeled`` call (recommended settings) on ``n_windows`` seeded synthetic
+    windows, measured as :func:`measure_adapt` measures ``adapt``."""
+    from ..measure import MeasureSpec, measure_in_fresh_process
+
+    spec = MeasureSpec(bundle=os.fspath(bundle_dir), n_windows=n_windows, device=device, threads=threads,
+                       trim_heap=True, timeline=True, method="unlabeled")
+    return measure_in_fresh_process(spec, timeout_s=timeout_s)
+
+
 # ---- the timeline picture ----------------------------------------------------------------------
 def draw_timeline(report: dict[str, Any], measured: dict[str, Any] | None, path: str | os.PathLike) -> Path:
     """Draw the predicted peak per phase and (if given) the measured timeline to a PNG.
@@ -251,6 +308,8 @@ def draw_timeline(report: dict[str, Any], measured: dict[str, Any] | None, path:
 # ---- command line -------------------------------------------------------------------------------
 def cmd_plan(args: argparse.Namespace) -> int:
     """``edgeadapt plan``: print the plan; optionally measure and draw."""
+    if args.unlabeled:
+        return _plan_label_free(args)
     report = plan_report(args.bundle, n_windows=args.n_windows, batch_windows=args.batch_windows)
     measured = None
     if args.measure:
@@ -270,6 +329,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_label_free(args: argparse.Namespace) -> int:
+    if args.png or args.batch_windows:
+        raise ValueError("--unlabeled plans the label-free call: --png and --batch-windows apply to adapt only")
+    report = label_free_report(args.bundle, n_windows=args.n_windows)
+    measured = None
+    if args.measure:
+        measured = measure_label_free(args.bundle, n_windows=report["n_windows"], device=args.device,
+                                      threads=args.threads)
+    print(json.dumps({**report, "measured": measured}, indent=2) if args.json else format_label_free(report, measured))
+    return 0
+
+
 def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``edgeadapt plan`` on the CLI's subparsers."""
     p = sub.add_parser("plan", help="the bundle's memory plan: what trains, cut, micro-batch, predicted peak",
@@ -285,6 +356,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="windows per step to predict (and --measure) for (default: the plan's)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="cpu", help="device for --measure")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads for --measure (default 1)")
+    p.add_argument("--unlabeled", action="store_true",
+                   help="the label-free call instead (adapt_unlabeled, recommended settings): stages, windows per "
+                        "pass within the budget, predicted peak (and, with --measure, measured)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_plan)
     return p

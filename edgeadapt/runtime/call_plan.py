@@ -116,9 +116,8 @@ class CallPlan:
             return max_pass_windows, max_stats_windows, None
 
         def peak(pass_windows: int, stats_windows: int | None):
-            return self._sched.predict_label_free(
-                self._graph, plan, self._cost, held_bytes=held_bytes, pass_windows=pass_windows,
-                stats_windows=stats_windows, view_bytes_per_window=view_bytes_per_window, entropy_steps=entropy_steps)
+            return self.label_free_peak(held_bytes=held_bytes, pass_windows=pass_windows, stats_windows=stats_windows,
+                                        view_bytes_per_window=view_bytes_per_window, entropy_steps=entropy_steps)
 
         stats = None
         if max_stats_windows is not None:
@@ -132,6 +131,16 @@ class CallPlan:
         log.info("label-free passes within the %d-byte budget: %d windows (statistics: %s)",
                  self.budget_bytes, passes, stats)
         return passes, stats, plan.micro_batch_windows if entropy_steps else None
+
+    def label_free_peak(self, *, held_bytes: int, pass_windows: int, stats_windows: int | None,
+                        view_bytes_per_window: int, entropy_steps: bool):
+        """The predicted peak (:class:`~edgeadapt.sched.Peak`) of a label-free call with these
+        passes (:func:`~edgeadapt.sched.predict_label_free`); ``None`` for a bundle without a budget."""
+        if self._plan is None:
+            return None
+        return self._sched.predict_label_free(
+            self._graph, self._plan, self._cost, held_bytes=held_bytes, pass_windows=pass_windows,
+            stats_windows=stats_windows, view_bytes_per_window=view_bytes_per_window, entropy_steps=entropy_steps)
 
     def _refuse(self, peak, what: str):
         raise self._sched.BudgetExceeded(

@@ -328,10 +328,12 @@ class UnlabeledAdapter:
 
     def _plan_passes(self) -> None:
         """Windows per pass (and per entropy step) within the bundle's memory budget, if any."""
+        self.predicted = None
         if not self._stats_on and not self._entropy_on and self._head is None:
             return
         window = _window_bytes(self.runner.manifest)
-        passes = self.runner._call_plan.label_free_passes(
+        call_plan = self.runner._call_plan
+        passes = call_plan.label_free_passes(
             held_bytes=self._held_bytes(), max_pass_windows=INFERENCE_BATCH_WINDOWS,
             max_stats_windows=STATS_BATCH_WINDOWS if self._stats_on else None,
             min_stats_windows=STATS_GROUP_WINDOWS if self.settings.stats_weighting == "shrinkage" else 1,
@@ -339,6 +341,24 @@ class UnlabeledAdapter:
         self._pass_windows, stats_windows, entropy_batch = passes
         self._stats_windows = stats_windows or STATS_BATCH_WINDOWS
         self._entropy_batch = min(self.settings.batch_size, entropy_batch or self.settings.batch_size)
+        self.predicted = call_plan.label_free_peak(
+            held_bytes=self._held_bytes(), pass_windows=self._pass_windows,
+            stats_windows=stats_windows if self._stats_on else None,
+            view_bytes_per_window=VIEW_BYTES_PER_INPUT_BYTE * window, entropy_steps=self._entropy_on)
+
+    def plan(self) -> dict:
+        """How the call is carried out under the bundle's budget (JSON-able): the stages that
+        will run and those skipped, windows per inference / statistics pass and per entropy step,
+        what the adapter holds, and the predicted peak (``None`` without a budget)."""
+        return {"stages": [name for name, on in (("stats", self._stats_on), ("entropy", self._entropy_on),
+                                                 ("prototypes", self._head is not None
+                                                  and self.settings.prototype_mix > 0)) if on],
+                "skipped": list(self._skipped), "gate_windows": self._gate_rows if self.settings.gate else 0,
+                "pass_windows": self._pass_windows, "stats_windows": self._stats_windows if self._stats_on else None,
+                "entropy_step_windows": self._entropy_batch if self._entropy_on else None,
+                "held_bytes": self._held_bytes(),
+                "predicted": None if self.predicted is None else self.predicted.to_dict(),
+                "budget_bytes": self.runner._call_plan.budget_bytes}
 
     # ---- accumulators -------------------------------------------------------------------
     def _reset_sums(self) -> None:
