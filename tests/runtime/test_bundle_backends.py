@@ -90,11 +90,17 @@ def test_the_contract_digest_survives_a_save_that_drops_one_backend():
     assert contract_digest(dataclasses.replace(both, loss="mse")) != contract_digest(both)
 
 
+def test_a_batch_statistics_bundle_without_batchnorm_needs_no_statistics_graph():
+    d = _with(["ort-training", "portable"], batchnorm="batch")  # the train graph updates no running statistics
+    assert Manifest.from_dict(d).batch_statistics
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda d: d["files"].pop("portable_train"), "missing \\['portable_train'\\]"),
     (lambda d: d.update(backends=["portable"]) or d["files"].update(_ORT_FILES), "not expected"),
     (lambda d: d.pop("portable"), "'portable'.*must be present exactly"),
-    (lambda d: d.update(batchnorm="batch"), "missing \\['portable_stats'\\]"),
+    (lambda d: d.update(batchnorm="batch") or d["portable"]["graphs"]["portable_train"]["outputs"].append(
+        ["stat:bn.running_mean", "out9"]), "missing \\['portable_stats'\\]"),
     (lambda d: d["portable"]["graphs"].pop("portable_eval"), "portable.graphs describes"),
 ])
 def test_inconsistent_backend_files_are_refused(edit, message):
