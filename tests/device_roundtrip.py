@@ -51,8 +51,15 @@ def main(bundle: str, data: str, out: str, epochs: str, batch: str) -> None:
     # one fused kernel (a few float32 ulp of the logits' magnitude).
     np.testing.assert_allclose(exported, predicted, rtol=1e-5, atol=1e-6 * float(np.abs(predicted).max()))
 
+    # Label-free adaptation of the source model on the same windows (labels unused): the
+    # prototype head and the gate on the held-back windows (the bundle keeps frozen statistics).
+    label_free = Runner.load(bundle, device="cpu", threads=1, backend="portable").adapt_unlabeled(X)
+
     np.savez(out_dir / "parameters.npz", **after)
     print(json.dumps({
+        "label_free": {"kept": label_free.kept, "stages": list(label_free.stages),
+                       "gate_windows": label_free.n_gate_windows, "adapt_windows": label_free.n_adapt_windows,
+                       "gate": None if label_free.gate is None else label_free.gate.kept},
         "machine": platform.machine(), "python": platform.python_version(), "onnxruntime": ort.__version__,
         "backend": "portable", "steps": int(runner.step), "epoch_losses": [float(v) for v in result.epoch_losses],
         "accuracy": float(reloaded.evaluate(X, y).accuracy),
