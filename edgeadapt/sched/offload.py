@@ -423,9 +423,10 @@ def _refuse(graph: Graph, least: _Setting, costs: list[BlockCost], fixed: int, b
         what = "the parameters outside every block (held for the whole step)" if worst.resident else "the block"
         raise BlockTooLarge(
             need, budget_bytes, worst.name,
-            f"block {worst.name!r} alone holds {parts} ({format_bytes(alone(worst))}); the smallest budget at "
-            f"which a plan exists is {need} bytes ({format_bytes(need)}): raise the budget to it, or split {what} "
-            "into smaller modules")
+            f"block {worst.name!r} alone holds {parts} ({format_bytes(alone(worst))}); with what runs beside it "
+            "(the gradients of the block before, whose update overlaps it, and the activations), the smallest "
+            f"budget at which a plan exists is {need} bytes ({format_bytes(need)}): raise the budget to it, or "
+            f"split {what} into smaller modules")
     raise NoFeasiblePlan(
         need, budget_bytes, least.peak.where,
         detail=f"no combination of recompute, prefetch, update chunk and micro-batches fits; the smallest budget "
