@@ -329,7 +329,7 @@ class UnlabeledAdapter:
     def _plan_passes(self) -> None:
         """Windows per pass (and per entropy step) within the bundle's memory budget, if any."""
         self.predicted = None
-        if not self._stats_on and not self._entropy_on and self._head is None:
+        if not self._adapts():
             return
         window = _window_bytes(self.runner.manifest)
         call_plan = self.runner._call_plan
@@ -345,6 +345,10 @@ class UnlabeledAdapter:
             held_bytes=self._held_bytes(), pass_windows=self._pass_windows,
             stats_windows=stats_windows if self._stats_on else None,
             view_bytes_per_window=VIEW_BYTES_PER_INPUT_BYTE * window, entropy_steps=self._entropy_on)
+
+    def _adapts(self) -> bool:
+        """Whether any stage is on (otherwise the call holds nothing back and runs no pass)."""
+        return self._stats_on or self._entropy_on or (self._head is not None and self.settings.prototype_mix > 0)
 
     def plan(self) -> dict:
         """How the call is carried out under the bundle's budget (JSON-able): the stages that
@@ -402,7 +406,7 @@ class UnlabeledAdapter:
         gate's windows from its batches until there are ``gate_windows``).
         """
         s = self.settings
-        if not self._collecting or not s.gate or self._gate_fill >= self._gate_rows:
+        if not self._collecting or not s.gate or self._gate_fill >= self._gate_rows or not self._adapts():
             return X
         self._collecting = not last
         if self._updates:
@@ -566,6 +570,10 @@ class UnlabeledAdapter:
         X = check_inputs(self.runner.manifest, X)
         X = self.hold_back(X) if rows is None else Rows(X, rows)
         if not len(X):
+            return
+        if not self._adapts():  # every stage skipped or reset: nothing to run
+            self._n_adapt += len(X)
+            self._updates += 1
             return
         reference = evidence(self._logits(X), [])
         if self._stats_on:

@@ -515,10 +515,11 @@ def test_add_head_output_only_for_a_linear_head():
 
 
 # ---- models the recipe meets in users' hands: no BatchNorm, no linear head, a log-softmax end ----
-def _export_user_net(out, end: str, backend: str):
-    """Conv -> GroupNorm (no running statistics) -> mean over time, then a linear head
-    (``end="linear"``), a linear head and a log-softmax (``"log_softmax"``) or no head at all, the
-    channels being the class scores (``"pooled"``); exported for label-free adaptation."""
+def _export_user_net(out, end: str, backend: str, norm: str = "group"):
+    """Conv -> GroupNorm (no running statistics; ``norm="batch"``: BatchNorm) -> mean over time,
+    then a linear head (``end="linear"``), a linear head and a log-softmax (``"log_softmax"``) or
+    no head at all, the channels being the class scores (``"pooled"``); exported for label-free
+    adaptation."""
     import torch
     from torch import nn
 
@@ -528,7 +529,8 @@ def _export_user_net(out, end: str, backend: str):
         def __init__(self):
             super().__init__()
             self.conv = nn.Conv1d(N_CLASSES, 6 if end != "pooled" else N_CLASSES, 3, padding=1)
-            self.norm = nn.GroupNorm(1, self.conv.out_channels)
+            channels = self.conv.out_channels
+            self.norm = nn.GroupNorm(1, channels) if norm == "group" else nn.BatchNorm1d(channels)
             self.head = nn.Linear(6, N_CLASSES) if end != "pooled" else None
 
         def forward(self, x):
@@ -553,18 +555,19 @@ def test_a_model_without_batchnorm_exports_and_adapts_label_free(tmp_path, backe
     runner = Runner.load(bundle, device="cpu")
     result = runner.adapt_unlabeled(balanced(8)[0])
     assert "stats: the model has no BatchNorm running statistics to re-estimate" in result.skipped
-    assert result.gate is not None and result.gate.n_windows > 0
+    assert result.gate is not None and result.gate.n_windows > 0  # the prototype stage ran, gated
     assert runner.manifest.head is not None
 
 
 @pytest.mark.parametrize("end", ["log_softmax", "pooled"])
 def test_the_gate_runs_with_or_without_a_linear_head(tmp_path, end):
+    """With BatchNorm the statistics stage runs; the gate judges it on the outputs alone."""
     from edgeadapt.runtime import Runner
 
-    bundle = _export_user_net(tmp_path / "b", end, "ort-training")
+    bundle = _export_user_net(tmp_path / "b", end, "ort-training", norm="batch")
     runner = Runner.load(bundle, device="cpu")
     assert (runner.manifest.head is not None) == (end == "log_softmax")
-    result = runner.adapt_unlabeled(balanced(8)[0])  # the recommended defaults: prototypes on
+    result = runner.adapt_unlabeled(balanced(8)[0])  # the recommended defaults: statistics, prototypes
     assert result.gate is not None and result.gate.n_windows > 0, "the gate needs logits only"
     skipped_prototypes = any(s.startswith("prototypes:") for s in result.skipped)
     assert skipped_prototypes == (end == "pooled")
@@ -592,3 +595,12 @@ def test_a_label_free_bundle_is_evaluated_with_labels_for_the_accuracy(tmp_path,
     data = _data_file(tmp_path, X, y)
     assert main(["evaluate", str(toy_bundle), "--data", str(data), "--json", "--device", "cpu"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["accuracy"] == 1.0
+
+
+def test_a_call_with_nothing_to_run_holds_nothing_back(tmp_path):
+    from edgeadapt.runtime import Runner
+
+    bundle = _export_user_net(tmp_path / "b", "pooled", "ort-training")  # no BatchNorm, no linear head
+    result = Runner.load(bundle, device="cpu").adapt_unlabeled(balanced(8)[0])
+    assert not result.kept and result.gate is None and result.n_gate_windows == 0
+    assert {s.split(":")[0] for s in result.skipped} == {"stats", "prototypes"}
