@@ -385,7 +385,8 @@ def load_csv(
     if "label" in column:
         labels, class_names = _csv_labels(path, column["label"], class_names)
     else:
-        labels, class_names = np.zeros(len(lines), dtype=np.int64), _class_names(path, class_names, np.zeros(1, int))
+        labels = np.zeros(len(lines), dtype=np.int64)
+        class_names = _class_names(path, class_names, labels)
     try:
         dataset = windows_from_continuous(
             signal, labels, subject, session, sample_rate_hz=sample_rate_hz,

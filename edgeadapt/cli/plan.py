@@ -197,15 +197,14 @@ def label_free_report(bundle_dir: str | os.PathLike, *, n_windows: int | None = 
         BudgetExceeded: not even the smallest passes fit the budget (what the call would raise).
     """
     from ..runtime import Runner
-    from ..runtime.unlabeled import UnlabeledAdapter, UnlabeledSettings
+    from ..runtime.unlabeled import UnlabeledAdapter, UnlabeledSettings, held_back_windows
 
     _, plan, _ = _load(bundle_dir)
     n = n_windows or plan.n_windows
     settings = UnlabeledSettings()
     runner = Runner.load(bundle_dir, device="cpu", threads=1)
-    n_gate = min(settings.gate_windows, max(1, int(round(settings.gate_fraction * n))))
     return {"bundle": str(bundle_dir), "engine": runner.backend, "n_windows": n,
-            **UnlabeledAdapter(runner, settings, gate_rows=n_gate).plan()}
+            **UnlabeledAdapter(runner, settings, gate_rows=held_back_windows(settings, n)).plan()}
 
 
 def format_label_free(r: dict[str, Any], measured: dict[str, Any] | None = None) -> str:

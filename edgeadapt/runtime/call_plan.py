@@ -22,10 +22,27 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from typing import Any, NamedTuple
 
 from ..bundle import BundleError, Manifest
 
-__all__ = ["CallPlan"]
+__all__ = ["CallPlan", "LabelFreePasses"]
+
+
+class LabelFreePasses(NamedTuple):
+    """How a label-free call runs under a budget (:meth:`CallPlan.label_free_passes`).
+
+    Attributes:
+        pass_windows: windows per inference pass.
+        stats_windows: windows per statistics pass (``None``: no statistics passes).
+        entropy_step_windows: the most windows per entropy step (``None``: no limit).
+        predicted: the predicted peak with these passes (a ``sched.Peak``; ``None`` without a budget).
+    """
+
+    pass_windows: int
+    stats_windows: int | None
+    entropy_step_windows: int | None
+    predicted: Any
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +112,11 @@ class CallPlan:
 
     def label_free_passes(self, *, held_bytes: int, max_pass_windows: int, max_stats_windows: int | None,
                           min_stats_windows: int, view_bytes_per_window: int,
-                          entropy_steps: bool) -> tuple[int, int | None, int | None]:
+                          entropy_steps: bool) -> LabelFreePasses:
         """Windows per inference pass, per statistics pass and per entropy step of a label-free
         call (:mod:`~edgeadapt.sched.label_free_cost`): the most (up to the maxima) whose predicted
-        peak fits the budget; without a budget the maxima (and no entropy-step limit).
+        peak fits the budget, with that peak; without a budget the maxima (and no entropy-step
+        limit, no prediction).
 
         Args:
             held_bytes: what the adapter holds for the whole call.
@@ -113,11 +131,12 @@ class CallPlan:
         """
         plan = self._plan
         if plan is None:
-            return max_pass_windows, max_stats_windows, None
+            return LabelFreePasses(max_pass_windows, max_stats_windows, None, None)
 
         def peak(pass_windows: int, stats_windows: int | None):
-            return self.label_free_peak(held_bytes=held_bytes, pass_windows=pass_windows, stats_windows=stats_windows,
-                                        view_bytes_per_window=view_bytes_per_window, entropy_steps=entropy_steps)
+            return self._sched.predict_label_free(
+                self._graph, plan, self._cost, held_bytes=held_bytes, pass_windows=pass_windows,
+                stats_windows=stats_windows, view_bytes_per_window=view_bytes_per_window, entropy_steps=entropy_steps)
 
         stats = None
         if max_stats_windows is not None:
@@ -125,22 +144,13 @@ class CallPlan:
             stats = next((w for w in sizes if peak(1, w).peak_bytes <= self.budget_bytes), None)
             if stats is None:
                 self._refuse(peak(1, sizes[-1]), f"statistics passes of {sizes[-1]} windows")
-        passes = next((w for w in _halvings(max_pass_windows) if peak(w, stats).peak_bytes <= self.budget_bytes), None)
+        fits = ((w, peak(w, stats)) for w in _halvings(max_pass_windows))
+        passes, predicted = next(((w, p) for w, p in fits if p.peak_bytes <= self.budget_bytes), (None, None))
         if passes is None:
             self._refuse(peak(1, stats), "passes of 1 window")
         log.info("label-free passes within the %d-byte budget: %d windows (statistics: %s)",
                  self.budget_bytes, passes, stats)
-        return passes, stats, plan.micro_batch_windows if entropy_steps else None
-
-    def label_free_peak(self, *, held_bytes: int, pass_windows: int, stats_windows: int | None,
-                        view_bytes_per_window: int, entropy_steps: bool):
-        """The predicted peak (:class:`~edgeadapt.sched.Peak`) of a label-free call with these
-        passes (:func:`~edgeadapt.sched.predict_label_free`); ``None`` for a bundle without a budget."""
-        if self._plan is None:
-            return None
-        return self._sched.predict_label_free(
-            self._graph, self._plan, self._cost, held_bytes=held_bytes, pass_windows=pass_windows,
-            stats_windows=stats_windows, view_bytes_per_window=view_bytes_per_window, entropy_steps=entropy_steps)
+        return LabelFreePasses(passes, stats, plan.micro_batch_windows if entropy_steps else None, predicted)
 
     def _refuse(self, peak, what: str):
         raise self._sched.BudgetExceeded(

@@ -541,7 +541,7 @@ class Runner:
         (entropy) bundle's loss needs none, and class ids ``y`` given to it give the accuracy."""
         X = check_inputs(self.manifest, X)
         classes = None
-        if self.manifest.loss == "entropy" and y is not None:  # labels for the accuracy only
+        if self.manifest.label is None and y is not None:  # a label-free loss: labels for the accuracy only
             classes = check_class_ids(y, X.shape[0], self.manifest.output.shape[-1])
             y = None
         y = check_labels(self.manifest, y, X.shape[0])

@@ -66,7 +66,8 @@ from .safety_gate import (GateDecision, GateSettings, collapsed, decide, evidenc
                           view_logits)
 from .stats_shrinkage import GroupedStatistics, shrinkage_weight
 
-__all__ = ["UnlabeledSettings", "UnlabeledResult", "UnlabeledAdapter", "adapt_unlabeled", "adapt_stream"]
+__all__ = ["UnlabeledSettings", "UnlabeledResult", "UnlabeledAdapter", "held_back_windows", "adapt_unlabeled",
+           "adapt_stream"]
 
 log = logging.getLogger(__name__)
 
@@ -328,35 +329,32 @@ class UnlabeledAdapter:
 
     def _plan_passes(self) -> None:
         """Windows per pass (and per entropy step) within the bundle's memory budget, if any."""
-        self.predicted = None
+        self.predicted = None  # the predicted peak (sched.Peak) under the bundle's budget
         if not self._adapts():
             return
-        window = _window_bytes(self.runner.manifest)
-        call_plan = self.runner._call_plan
-        passes = call_plan.label_free_passes(
+        passes = self.runner._call_plan.label_free_passes(
             held_bytes=self._held_bytes(), max_pass_windows=INFERENCE_BATCH_WINDOWS,
             max_stats_windows=STATS_BATCH_WINDOWS if self._stats_on else None,
             min_stats_windows=STATS_GROUP_WINDOWS if self.settings.stats_weighting == "shrinkage" else 1,
-            view_bytes_per_window=VIEW_BYTES_PER_INPUT_BYTE * window, entropy_steps=self._entropy_on)
-        self._pass_windows, stats_windows, entropy_batch = passes
-        self._stats_windows = stats_windows or STATS_BATCH_WINDOWS
-        self._entropy_batch = min(self.settings.batch_size, entropy_batch or self.settings.batch_size)
-        self.predicted = call_plan.label_free_peak(
-            held_bytes=self._held_bytes(), pass_windows=self._pass_windows,
-            stats_windows=stats_windows if self._stats_on else None,
-            view_bytes_per_window=VIEW_BYTES_PER_INPUT_BYTE * window, entropy_steps=self._entropy_on)
+            view_bytes_per_window=VIEW_BYTES_PER_INPUT_BYTE * _window_bytes(self.runner.manifest),
+            entropy_steps=self._entropy_on)
+        self._pass_windows, self.predicted = passes.pass_windows, passes.predicted
+        self._stats_windows = passes.stats_windows or STATS_BATCH_WINDOWS
+        self._entropy_batch = min(self.settings.batch_size, passes.entropy_step_windows or self.settings.batch_size)
+
+    def _prototypes_on(self) -> bool:
+        return self._head is not None and self.settings.prototype_mix > 0
 
     def _adapts(self) -> bool:
         """Whether any stage is on (otherwise the call holds nothing back and runs no pass)."""
-        return self._stats_on or self._entropy_on or (self._head is not None and self.settings.prototype_mix > 0)
+        return self._stats_on or self._entropy_on or self._prototypes_on()
 
     def plan(self) -> dict:
         """How the call is carried out under the bundle's budget (JSON-able): the stages that
         will run and those skipped, windows per inference / statistics pass and per entropy step,
         what the adapter holds, and the predicted peak (``None`` without a budget)."""
         return {"stages": [name for name, on in (("stats", self._stats_on), ("entropy", self._entropy_on),
-                                                 ("prototypes", self._head is not None
-                                                  and self.settings.prototype_mix > 0)) if on],
+                                                 ("prototypes", self._prototypes_on())) if on],
                 "skipped": list(self._skipped), "gate_windows": self._gate_rows if self.settings.gate else 0,
                 "pass_windows": self._pass_windows, "stats_windows": self._stats_windows if self._stats_on else None,
                 "entropy_step_windows": self._entropy_batch if self._entropy_on else None,
@@ -587,7 +585,7 @@ class UnlabeledAdapter:
             self._entropy_steps(X)
             if self._check_collapse("entropy", X, before, reference):
                 self._entropy_on = False
-        if self._head is not None and self.settings.prototype_mix > 0:
+        if self._prototypes_on():
             head = [n for n in (self._head.head.weight, self._head.head.bias) if n]
             before = self._take(head)
             self._prototypes(X)
@@ -653,6 +651,12 @@ def _with_peaks(result: UnlabeledResult, peaks: AdaptPeaks) -> UnlabeledResult:
                               "call_peak_anon_bytes": measured.call_peak_anon_bytes})
 
 
+def held_back_windows(settings: UnlabeledSettings, n_windows: int) -> int:
+    """Windows an offline call of ``n_windows`` holds back for the gate: ``gate_fraction`` of
+    them, at most ``gate_windows``, at least one."""
+    return min(settings.gate_windows, max(1, int(round(settings.gate_fraction * n_windows))))
+
+
 def adapt_unlabeled(runner, X: np.ndarray, settings: UnlabeledSettings | None = None) -> UnlabeledResult:
     """Adapt ``runner`` on the unlabeled windows ``X`` in one pass; see :class:`UnlabeledAdapter`.
 
@@ -669,7 +673,7 @@ def adapt_unlabeled(runner, X: np.ndarray, settings: UnlabeledSettings | None = 
     X = check_inputs(runner.manifest, X)
     if len(X) < 2:
         raise ValueError(f"label-free adaptation needs at least 2 windows, got {len(X)}")
-    n_gate = min(settings.gate_windows, max(1, int(round(settings.gate_fraction * len(X)))))
+    n_gate = held_back_windows(settings, len(X))
     with AdaptPeaks() as peaks:
         adapter = UnlabeledAdapter(runner, settings, gate_rows=n_gate if settings.gate else 0)
         order = np.random.default_rng(settings.seed).permutation(len(X))

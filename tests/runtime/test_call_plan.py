@@ -108,14 +108,14 @@ def test_label_free_passes_are_the_largest_that_fit_or_refused(stats):
         kwargs = dict(held_bytes=held, max_pass_windows=256, max_stats_windows=64 if stats else None,
                       min_stats_windows=4, view_bytes_per_window=16 * g.input_bytes, entropy_steps=False)
         try:
-            passes, stats_windows, entropy_batch = cp.label_free_passes(**kwargs)
+            passes, stats_windows, entropy_batch, predicted = cp.label_free_passes(**kwargs)
         except BudgetExceeded as e:
             assert e.need_bytes > e.have_bytes == budget and "label-free" in str(e)
             smallest = _label_free_peak(g, plan, 1, 4 if stats else None, held)
             assert smallest > budget
             continue
         assert entropy_batch is None and (stats_windows is None) == (not stats)
-        assert _label_free_peak(g, plan, passes, stats_windows, held) <= budget
+        assert _label_free_peak(g, plan, passes, stats_windows, held) == predicted.peak_bytes <= budget
         if passes < 256:  # the next size up would not fit
             assert _label_free_peak(g, plan, passes * 2, stats_windows, held) > budget
         if stats and stats_windows < 64:
@@ -125,4 +125,4 @@ def test_label_free_passes_are_the_largest_that_fit_or_refused(stats):
 def test_label_free_passes_without_a_budget_are_the_maxima():
     cp = CallPlan(SimpleNamespace(plan=None, graph=None), "ort-training")
     assert cp.label_free_passes(held_bytes=0, max_pass_windows=256, max_stats_windows=64, min_stats_windows=4,
-                                view_bytes_per_window=0, entropy_steps=True) == (256, 64, None)
+                                view_bytes_per_window=0, entropy_steps=True) == (256, 64, None, None)
