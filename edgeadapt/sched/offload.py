@@ -31,12 +31,16 @@ the first plan that fits in this preference order (fastest first):
 1. the fewest micro-batches (each one reads every block's weights again, runs smaller kernels,
    and accumulating a gradient costs a pass over it; on the host tier, where no weights move,
    four micro-batches of one window measured as slow as recomputing 18 of 24 GPT blocks);
-2. an update chunk of at least :data:`FAST_CHUNK_NUMEL` elements (smaller chunks multiply the
-   disk tier's reads and writes);
-3. the deepest prefetch up to the requested depth (prefetch hides the tier's reads);
-4. the fewest recomputed saved bytes (recompute repeats a block's forward): blocks are kept
-   greedily, the most saved bytes first, from an all-recompute plan while the plan fits;
-5. the largest update chunk.
+2. with an update staged in the compute tier (a CPU run from the disk tier), the update chunk,
+   the prefetch depth and the recompute together, by the time they add
+   (:func:`added_step_flops`): every staged chunk costs a fixed :data:`CHUNK_OVERHEAD_FLOPS`
+   (an optimizer call and its reads and writes), a recomputed block its forward FLOPs, and a
+   step without prefetch its weight reads (:data:`READ_FLOPS_PER_BYTE`); ties go to fewer
+   recomputed bytes, a deeper prefetch, a larger chunk;
+3. otherwise, the deepest prefetch up to the requested depth (prefetch hides the tier's reads),
+   then the fewest recomputed saved bytes (recompute repeats a block's forward). In both cases,
+   for given micro-batch, chunk and prefetch, blocks are kept greedily, the most saved bytes
+   first, from an all-recompute plan while the plan fits.
 
 The cost model (what the executor reserves, per micro-batch of ``b`` windows; the whole
 step's input batch is held throughout):
@@ -82,8 +86,8 @@ from .ir import Graph
 from .plan import Action, Mode, ParamPlan, Peak, Plan, Tier
 
 __all__ = ["BudgetExceeded", "NoFeasiblePlan", "BlockTooLarge", "BlockCost", "block_costs", "plan_offload",
-           "offload_peak", "micro_batch_sizes", "OPTIMIZER_STATE_COPIES", "RESIDENT_KIND", "CHUNK_CANDIDATES_NUMEL",
-           "FAST_CHUNK_NUMEL", "DEFAULT_CHUNK_NUMEL"]
+           "offload_peak", "micro_batch_sizes", "added_step_flops", "OPTIMIZER_STATE_COPIES", "RESIDENT_KIND",
+           "CHUNK_CANDIDATES_NUMEL", "CHUNK_OVERHEAD_FLOPS", "READ_FLOPS_PER_BYTE", "DEFAULT_CHUNK_NUMEL"]
 
 RESIDENT_KIND = "resident"
 """Op kind of a block that is held in the compute tier for the whole step (not streamed)."""
@@ -95,9 +99,18 @@ CHUNK_CANDIDATES_NUMEL = tuple(1 << k for k in range(10, 23))
 """Update chunk sizes the planner tries (1 Ki to 4 Mi elements; a block smaller than a chunk is
 updated whole)."""
 
-FAST_CHUNK_NUMEL = 1 << 14
-"""Chunks of at least this many elements (64 KiB per vector) keep the staged update's per-chunk
-reads and writes a small part of its time; smaller ones are chosen only when nothing else fits."""
+CHUNK_OVERHEAD_FLOPS = 10_000_000
+"""The fixed cost of one chunk of a staged update (one optimizer call, the chunk's reads and
+writes), in forward FLOPs of the same CPU. Measured (2-core x86-64, 1 torch thread, a 16-block
+GPT of d_model 192 on the disk tier): the update thread's CPU time per step fell by 0.2 ms per
+chunk from chunks of 16 Ki to 128 Ki elements, and the model's forward ran at ~46 GFLOP/s. Only
+its ratio to the CPU's FLOP rate matters: both are work of the same cores."""
+
+READ_FLOPS_PER_BYTE = 100
+"""A weight read that no prefetch hides, in forward FLOPs per byte: the disk tier drops the
+pages it wrote, so a block's weights come back from the device (measured ~0.45 GB/s, 2.1 ns per
+byte, against ~46 GFLOP/s in the same run; without prefetch the main thread waited 0.15 s per
+step of that 16-block GPT for its weights, with prefetch 0.01 s)."""
 
 DEFAULT_CHUNK_NUMEL = 1 << 18
 """The update chunk when the update does not stage in the compute tier (it bounds host memory only)."""
@@ -128,11 +141,10 @@ class BlockCost:
         name: the block (op) name.
         weight_bytes: its parameters.
         grad_bytes: its gradients (same as ``weight_bytes``).
-        staging_bytes: master weights + optimizer state (+ the gradient accumulator's chunk
-            with micro-batches) staged for the update in the compute tier's memory, for two
-            chunks at once when the block takes more than one (the next one is read while this
-            one is updated and written behind), plus one temporary of a chunk (0 when the
-            update runs elsewhere).
+        staging_bytes: one chunk of master weights + optimizer state (+ the gradient
+            accumulator's chunk with micro-batches) staged for the update in the compute tier's
+            memory (the chunks are read, updated and written one at a time), plus one temporary
+            of a chunk (0 when the update runs elsewhere).
         saved_bytes: what its backward keeps (``b`` windows).
         output_bytes: its output (``b`` windows).
         input_bytes: its input (``b`` windows): the previous block's output or the batch.
@@ -181,9 +193,8 @@ def block_costs(graph: Graph, batch_windows: int, *, optimizer: str = "adamw",
     for op in graph.ops:
         w = sum(graph.param(p).param_bytes for p in op.params)
         per_vector = w if staging_chunk_bytes is None else min(w, staging_chunk_bytes)
-        chunks_in_flight = 1 if per_vector >= w else 2  # the update reads the next chunk while writing this one
-        # master weights + optimizer state (+ accumulator) per chunk in flight + one temporary of the update
-        st = per_vector * (vectors * chunks_in_flight + 1) if staging else 0
+        # one chunk of master weights + optimizer state (+ accumulator) + one temporary of the update
+        st = per_vector * (vectors + 1) if staging else 0
         held = 0 if weights_in_place else w
         if op.kind == RESIDENT_KIND:
             out.append(BlockCost(op.name, held, w, st, 0, 0, 0, resident=True))
@@ -366,17 +377,19 @@ def plan_offload(graph: Graph, budget_bytes: int, *, batch_windows: int = 1, tie
         _refuse(graph, least, costs_of(least.micro_windows, least.chunk_numel), fixed, budget_bytes,
                 batch_windows, optimizer, recompute)
 
-    fast = [c for c in chunks if c >= FAST_CHUNK_NUMEL] or chunks[:1]
-    slow = [c for c in chunks if c not in fast]
+    depths = range(0 if weights_in_place else prefetch_depth, -1, -1)
 
     def best_for(mb: int) -> _Setting | None:
-        """The preferred plan with micro-batches of ``mb`` windows (orders 2 to 5), or None."""
-        for group in (fast, slow):
-            for depth in range(0 if weights_in_place else prefetch_depth, -1, -1):
-                found = [s for s in (fit(mb, depth, c) for c in group) if s is not None]
-                if found:
-                    return min(found, key=lambda s: (_recomputed_bytes(s, costs_of(mb, s.chunk_numel)),
-                                                     -s.chunk_numel))
+        """The preferred plan with micro-batches of ``mb`` windows (orders 2 and 3), or None."""
+        if staging:
+            found = [s for s in (fit(mb, d, c) for d in depths for c in chunks) if s is not None]
+            return min(found, default=None, key=lambda s: (
+                added_step_flops(graph, s.recompute, s.micro_windows, s.chunk_numel, s.depth, batch_windows),
+                _recomputed_bytes(s, costs_of(mb, s.chunk_numel)), -s.depth, -s.chunk_numel))
+        for depth in depths:
+            found = [s for s in (fit(mb, depth, c) for c in chunks) if s is not None]
+            if found:
+                return min(found, key=lambda s: (_recomputed_bytes(s, costs_of(mb, s.chunk_numel)), -s.chunk_numel))
         return None
 
     chosen = next(s for s in map(best_for, micro) if s is not None)  # the smallest setting fits: one does
@@ -392,6 +405,31 @@ def plan_offload(graph: Graph, budget_bytes: int, *, batch_windows: int = 1, tie
         optimizer=optimizer, budget_bytes=budget_bytes, predicted=chosen.peak,
         update_chunk_numel=chosen.chunk_numel,
     )
+
+
+def added_step_flops(graph: Graph, recompute: tuple[bool, ...] | list[bool], micro_windows: int, chunk_numel: int,
+                     prefetch_depth: int, batch_windows: int) -> int:
+    """What a staged (CPU disk-tier) plan adds to a step, in forward FLOPs of the same CPU.
+
+    Per micro-batch: the forward of every recomputed block (``Op.flops`` per window), a fixed
+    :data:`CHUNK_OVERHEAD_FLOPS` per chunk of every block's update (or gradient accumulation),
+    and, without prefetch, the reads of every block's weights for its forward and backward at
+    :data:`READ_FLOPS_PER_BYTE`. Used to rank plans that fit, not to predict a time.
+
+    Args:
+        graph: the block graph (ops aligned with ``recompute``).
+        recompute: per op, whether its activations are recomputed.
+        micro_windows: windows per micro-batch.
+        chunk_numel: elements per chunk of the staged update.
+        prefetch_depth: blocks read ahead of use.
+        batch_windows: windows per step.
+    """
+    micro = math.ceil(batch_windows / micro_windows)
+    recomputed = sum(op.flops * micro_windows for op, r in zip(graph.ops, recompute) if r)
+    numels = [sum(graph.param(p).param_bytes for p in op.params) // 4 for op in graph.ops]
+    chunks = sum(math.ceil(n / chunk_numel) for n in numels if n)
+    reads = 0 if prefetch_depth else 2 * 4 * sum(numels) * READ_FLOPS_PER_BYTE
+    return micro * (recomputed + chunks * CHUNK_OVERHEAD_FLOPS + reads)
 
 
 def _recomputed_bytes(s: _Setting, costs: list[BlockCost]) -> int:

@@ -3,9 +3,10 @@
 A block's state is a few flat float32 vectors (``param``; ``exp_avg`` and ``exp_avg_sq`` for
 AdamW), one per *kind*. :class:`HostStore` keeps them as tensors in RAM (page-locked when the
 compute device is a GPU, so copies to it can run asynchronously). :class:`DiskStore` keeps one
-file per block and kind and reads and writes them explicitly; after each read and write it
-advises the kernel to drop the file's pages (``posix_fadvise(DONTNEED)`` where available), so
-what keeps the state out of RAM is the design, not the page cache.
+file per block and kind and reads and writes them explicitly; after each whole read and write,
+and after each block's chunked update, it advises the kernel to drop the files' pages
+(``posix_fadvise(DONTNEED)`` where available), so what keeps the state out of RAM is the design,
+not the page cache (at most one block's vectors are cached between two drops).
 
 With optimizer-state sharding (ZeRO-1, :mod:`edgeadapt.server.zero`) a store holds ``param``
 for every block but the optimizer's kinds only for ``state_blocks``, the blocks this rank owns.
@@ -97,17 +98,21 @@ class StateStore:
         raise NotImplementedError
 
     def read_range(self, block: int, kind: str, start: int, count: int,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, *, drop: bool = True) -> torch.Tensor:
         """Elements ``start .. start + count`` of the vector, as a new CPU tensor (or into ``out``,
-        a contiguous CPU float32 tensor of ``count`` elements)."""
+        a contiguous CPU float32 tensor of ``count`` elements). ``drop=False``: the caller drops
+        the pages later (:meth:`drop_pages`)."""
         values = self.read(block, kind)[start:start + count]
         return values.clone() if out is None else out.copy_(values)
 
-    def write_range(self, block: int, kind: str, start: int, values: torch.Tensor) -> None:
-        """Overwrite elements from ``start`` with ``values``."""
+    def write_range(self, block: int, kind: str, start: int, values: torch.Tensor, *, drop: bool = True) -> None:
+        """Overwrite elements from ``start`` with ``values`` (``drop`` as in :meth:`read_range`)."""
         flat = self.read(block, kind).clone()
         flat[start:start + values.numel()] = values
         self.write(block, kind, flat)
+
+    def drop_pages(self, block: int, kinds) -> None:
+        """Let the OS drop the cached pages of ``block``'s vectors of ``kinds`` (no-op in memory)."""
 
     def in_place(self) -> bool:
         """True when :meth:`read` returns the stored tensor itself (updates land without write)."""
@@ -251,7 +256,7 @@ class DiskStore(StateStore):
         return self.read_range(block, kind, 0, self.numels[block], out=out)
 
     def read_range(self, block: int, kind: str, start: int, count: int,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, *, drop: bool = True) -> torch.Tensor:
         if out is None:
             out = torch.empty(count, dtype=torch.float32)
         fd = self._fds[(block, kind)]
@@ -262,17 +267,24 @@ class DiskStore(StateStore):
                 raise OSError(errno.EIO, f"{self._paths[(block, kind)]} is shorter than expected; the offload folder "
                               "was changed while training")
             mv, pos = mv[got:], pos + got
-        _drop_cache(fd, 4 * start, 4 * count)
+        if drop:
+            _drop_cache(fd, 4 * start, 4 * count)
         return out
 
-    def write_range(self, block: int, kind: str, start: int, values: torch.Tensor) -> None:
+    def write_range(self, block: int, kind: str, start: int, values: torch.Tensor, *, drop: bool = True) -> None:
         values = values.detach().contiguous()
         fd = self._fds[(block, kind)]
         mv, pos = _bytes_view(values), 4 * start
         while mv:
             n = os.pwrite(fd, mv, pos)
             mv, pos = mv[n:], pos + n
-        _drop_cache(fd, 4 * start, 4 * values.numel())
+        if drop:
+            _drop_cache(fd, 4 * start, 4 * values.numel())
+
+    def drop_pages(self, block: int, kinds) -> None:
+        for k in kinds:
+            if (block, k) in self._fds:
+                _drop_cache(self._fds[(block, k)])
 
     def write(self, block: int, kind: str, flat: torch.Tensor) -> None:
         self.write_range(block, kind, 0, flat)

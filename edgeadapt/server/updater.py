@@ -6,8 +6,9 @@ collective when a process group is set), takes them off the compute device, and 
 update on one background thread while the backward of the next block proceeds. Between the
 micro-batches of a step it sums the gradients in the store's accumulator instead. Host tier:
 in place on the master tensors. Disk tier: in chunks of :attr:`BlockUpdater.chunk_numel`
-elements, read, updated and written back on the I/O threads (the update is elementwise, so
-chunking changes no bit).
+elements, read, updated and written back (the update is elementwise, so chunking changes no
+bit): one chunk at a time on the update thread for a CPU run, pipelined on the I/O threads for a
+GPU run.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class BlockUpdater:
         self.micro, self.micro_count = 0, 1
         self._updater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgeadapt-update")
         self._pending: list[Future] = []
-        # the disk tier's update reads and writes its vectors (weights, moments) concurrently
+        # a GPU run's disk-tier update reads and writes its chunks behind its arithmetic
         self._io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="edgeadapt-io")
 
     def set_plan(self, plan: Plan) -> None:
@@ -160,13 +161,18 @@ class BlockUpdater:
 
     def _apply_chunked(self, slot: BlockSlot, present: list[int], gl: list[torch.Tensor], had: frozenset[int],
                        final: bool) -> None:
-        """The staged update, pipelined over chunks on the I/O threads: while chunk ``i`` is updated,
-        chunk ``i + 1`` is read, and chunk ``i``'s writes run behind; chunk ``i + 1``'s reads start only
-        once chunk ``i - 1``'s writes are done, so at most two chunks' vectors are staged at once (the
-        planner counts two, plus one temporary of the update)."""
+        """The update in chunks of :attr:`chunk_numel` elements: each chunk's vectors (master weights
+        and optimizer state, or the gradient accumulator) are read, updated and written back.
+
+        A CPU run stages the chunks in the compute tier's own memory and runs them one at a time
+        on this thread (one chunk staged, plus one temporary of the update: what the planner
+        counts); handing each chunk's reads and writes to other threads cost more CPU time than
+        it hid on a CPU run, where the reads are copies from the page cache. A GPU run's update
+        stages in host memory and pipelines the chunks on the I/O threads
+        (:meth:`_pipelined_chunks`).
+        """
         flat_grads = {i: g.reshape(-1) for i, g in zip(present, gl)}
         kinds = ("param", *self.optimizer.state_kinds) if final else ()
-        staged_here = self.device.type == "cpu"
         idx = sorted(set(flat_grads) | had)
         chunks = []
         for a in range(0, slot.numel, self.chunk_numel):
@@ -181,71 +187,116 @@ class BlockUpdater:
                     o = slot.offsets[i]
                     self.store.write_range(slot.index, ACCUMULATOR, lo, flat_grads[i][lo - o:hi - o])
             chunks = [c for c in chunks if c[3]]
+        try:
+            if self.device.type == "cpu":
+                self._staged_chunks(slot, chunks, flat_grads, had, kinds, final)
+            else:
+                self._pipelined_chunks(slot, chunks, flat_grads, had, kinds, final)
+        finally:
+            self.store.drop_pages(slot.index, (*kinds, ACCUMULATOR))
+
+    def _staged_chunks(self, slot: BlockSlot, chunks: list, flat_grads: dict[int, torch.Tensor], had: frozenset[int],
+                       kinds: tuple[str, ...], final: bool) -> None:
+        """The chunks one after another on this thread, each staged in the compute tier (a CPU run)."""
         key = f"staging:{slot.name}"
-        inflight: dict[int, tuple[dict[str, Future], list[Future]]] = {}  # chunk -> (reads, writes)
+        room: dict[str, torch.Tensor] = {}   # one staging set, allocated once per update
+        n = min(self.chunk_numel, slot.numel)
+        for a, b, parts, read_acc in chunks:
+            reads = [*kinds, ACCUMULATOR] if read_acc else list(kinds)
+            self.ledger.reserve(key, 4 * n * len(reads))
+            try:
+                for k in reads:
+                    if k not in room:
+                        room[k] = torch.empty(n, dtype=torch.float32)
+                bufs = self._read_chunk(slot.index, reads, a, b - a, room)
+                self._write_chunk(slot.index, a, self._update_chunk(slot, a, b, parts, bufs, flat_grads, had, kinds,
+                                                                    final, key if final else None))
+            finally:
+                self.ledger.release(key)
+
+    def _pipelined_chunks(self, slot: BlockSlot, chunks: list, flat_grads: dict[int, torch.Tensor],
+                          had: frozenset[int], kinds: tuple[str, ...], final: bool) -> None:
+        """The chunks pipelined on the I/O threads (a GPU run; staged in host memory): while chunk
+        ``i`` is updated, chunk ``i + 1`` is read, and chunk ``i``'s writes run behind; chunk ``i + 1``'s
+        reads start only once chunk ``i - 1``'s writes are done, so at most two chunks' vectors are
+        staged at once."""
+        inflight: dict[int, tuple[Future, list[Future]]] = {}  # chunk -> (reads, writes)
         buffers: list[dict[str, torch.Tensor]] = [{}, {}]  # two staging sets, allocated once per update
+        n = min(self.chunk_numel, slot.numel)
 
         def start_reads(j: int) -> None:
             a, b, _, read_acc = chunks[j]
             reads = [*kinds, ACCUMULATOR] if read_acc else list(kinds)
-            if staged_here:
-                self.ledger.reserve(f"{key}:{j % 2}", 4 * min(self.chunk_numel, slot.numel) * len(reads))
             room = buffers[j % 2]
             for k in reads:
                 if k not in room:
-                    room[k] = torch.empty(min(self.chunk_numel, slot.numel), dtype=torch.float32)
-            inflight[j] = ({k: self._io.submit(self.store.read_range, slot.index, k, a, b - a, room[k][:b - a])
-                            for k in reads}, [])
+                    room[k] = torch.empty(n, dtype=torch.float32)
+            inflight[j] = (self._io.submit(self._read_chunk, slot.index, reads, a, b - a, room), [])
 
         def finish(j: int) -> None:
-            """Wait for chunk ``j``'s reads and writes; release its staged bytes."""
+            """Wait for chunk ``j``'s reads and writes."""
             reads, writes = inflight.pop(j)
-            try:
-                for f in [*reads.values(), *writes]:
-                    f.result()
-            finally:
-                self.ledger.release(f"{key}:{j % 2}")
+            for f in [reads, *writes]:
+                f.result()
 
         try:
             if chunks:
                 start_reads(0)
-            for j, (a, b, parts, read_acc) in enumerate(chunks):
-                bufs = {k: f.result() for k, f in inflight[j][0].items()}
+            for j, (a, b, parts, _) in enumerate(chunks):
+                bufs = inflight[j][0].result()
                 if j >= 1:
                     finish(j - 1)  # its writes are done before the next chunk's reads take its room
                 if j + 1 < len(chunks):
                     start_reads(j + 1)
-                pieces: dict[str, list[torch.Tensor]] = {k: [] for k in kinds}
-                gp, sp = [], []
-                for i, lo, hi in parts:
-                    o = slot.offsets[i]
-                    g = flat_grads[i][lo - o:hi - o] if i in flat_grads else None
-                    if i in had:
-                        acc = bufs[ACCUMULATOR][lo - a:hi - a]
-                        g = acc if g is None else acc.add_(g)
-                    elif not final:
-                        g = bufs[ACCUMULATOR][lo - a:hi - a].copy_(g)
-                    for k in kinds:
-                        pieces[k].append(bufs[k][lo - a:hi - a])
-                    gp.append(g)
-                    sp.append(slot.steps[i])
-                if final:
-                    if staged_here:  # one chunk-sized temporary of the foreach AdamW (its sqrt)
-                        self.ledger.reserve(f"{key}:temp", 4 * (b - a))
-                    try:
-                        update_block(self.optimizer, pieces["param"], gp,
-                                     {k: pieces[k] for k in self.optimizer.state_kinds}, sp, lr=self.lr)
-                    finally:
-                        self.ledger.release(f"{key}:temp")
-                    writes = {k: bufs[k] for k in kinds}
-                else:
-                    writes = {ACCUMULATOR: bufs[ACCUMULATOR]}
-                inflight[j][1].extend(self._io.submit(self.store.write_range, slot.index, k, a, v)
-                                      for k, v in writes.items())
-                del bufs, pieces, gp
+                writes = self._update_chunk(slot, a, b, parts, bufs, flat_grads, had, kinds, final, None)
+                inflight[j][1].append(self._io.submit(self._write_chunk, slot.index, a, writes))
+                del bufs, writes
         finally:
             for j in sorted(inflight):
                 finish(j)
+
+    def _update_chunk(self, slot: BlockSlot, a: int, b: int, parts: list, bufs: dict[str, torch.Tensor],
+                      flat_grads: dict[int, torch.Tensor], had: frozenset[int], kinds: tuple[str, ...], final: bool,
+                      temp_key: str | None) -> dict[str, torch.Tensor]:
+        """Update the chunk ``a .. b`` read into ``bufs`` (or add its gradients to the accumulator
+        before the last micro-batch); returns the vectors to write back. ``temp_key``: reserve the
+        update's one chunk-sized temporary (the foreach AdamW's sqrt) under this name."""
+        pieces: dict[str, list[torch.Tensor]] = {k: [] for k in kinds}
+        gp, sp = [], []
+        for i, lo, hi in parts:
+            o = slot.offsets[i]
+            g = flat_grads[i][lo - o:hi - o] if i in flat_grads else None
+            if i in had:
+                acc = bufs[ACCUMULATOR][lo - a:hi - a]
+                g = acc if g is None else acc.add_(g)
+            elif not final:
+                g = bufs[ACCUMULATOR][lo - a:hi - a].copy_(g)
+            for k in kinds:
+                pieces[k].append(bufs[k][lo - a:hi - a])
+            gp.append(g)
+            sp.append(slot.steps[i])
+        if not final:
+            return {ACCUMULATOR: bufs[ACCUMULATOR][:b - a]}
+        if temp_key is not None:
+            self.ledger.reserve(f"{temp_key}:temp", 4 * (b - a))
+        try:
+            update_block(self.optimizer, pieces["param"], gp, {k: pieces[k] for k in self.optimizer.state_kinds},
+                         sp, lr=self.lr)
+        finally:
+            if temp_key is not None:
+                self.ledger.release(f"{temp_key}:temp")
+        return {k: bufs[k][:b - a] for k in kinds}
+
+    def _read_chunk(self, block: int, kinds: list[str], start: int, count: int,
+                    room: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Read one chunk of each of ``kinds`` into ``room`` (one I/O task: a chunk's vectors are
+        read one after another; the next chunk's reads overlap this chunk's update and writes)."""
+        return {k: self.store.read_range(block, k, start, count, room[k][:count], drop=False) for k in kinds}
+
+    def _write_chunk(self, block: int, start: int, values: dict[str, torch.Tensor]) -> None:
+        """Write one chunk of each vector in ``values`` back (one I/O task)."""
+        for k, v in values.items():
+            self.store.write_range(block, k, start, v, drop=False)
 
     def close(self) -> None:
         """Wait for the updates in flight and stop the update and I/O threads."""

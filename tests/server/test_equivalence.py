@@ -12,6 +12,7 @@ import torch
 from server_helpers import batches, make_cnn, make_mlp, reference_train
 
 from edgeadapt.server import Trainer
+from edgeadapt.server.updater import BlockUpdater
 
 MODELS = {"cnn": make_cnn, "mlp": make_mlp}
 
@@ -58,7 +59,12 @@ def test_tracked_peak_stays_under_the_budget_and_blocks_are_released(offload, ad
     t.close()
 
 
-def test_disk_updates_in_small_chunks_change_no_bit(adamw, tmp_path):
+@pytest.mark.parametrize("chunks", ["staged", "pipelined"])
+def test_disk_updates_in_small_chunks_change_no_bit(chunks, adamw, tmp_path, monkeypatch):
+    """A CPU run updates one staged chunk at a time; a GPU run pipelines its chunks on the I/O
+    threads (run here on the CPU): both give torch's bits."""
+    if chunks == "pipelined":
+        monkeypatch.setattr(BlockUpdater, "_staged_chunks", BlockUpdater._pipelined_chunks)
     data = batches("mlp", 3)
     ref = reference_train(make_mlp(), data)
     model = make_mlp()
