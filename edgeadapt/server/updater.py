@@ -202,15 +202,11 @@ class BlockUpdater:
         room: dict[str, torch.Tensor] = {}   # one staging set, allocated once per update
         n = min(self.chunk_numel, slot.numel)
         for a, b, parts, read_acc in chunks:
-            reads = [*kinds, ACCUMULATOR] if read_acc else list(kinds)
-            self.ledger.reserve(key, 4 * n * len(reads))
+            self.ledger.reserve(key, 4 * n * (len(kinds) + read_acc))
             try:
-                for k in reads:
-                    if k not in room:
-                        room[k] = torch.empty(n, dtype=torch.float32)
-                bufs = self._read_chunk(slot.index, reads, a, b - a, room)
+                bufs = self._read_chunk(slot.index, kinds, read_acc, a, b - a, room, n)
                 self._write_chunk(slot.index, a, self._update_chunk(slot, a, b, parts, bufs, flat_grads, had, kinds,
-                                                                    final, key if final else None))
+                                                                    final, key))
             finally:
                 self.ledger.release(key)
 
@@ -226,12 +222,8 @@ class BlockUpdater:
 
         def start_reads(j: int) -> None:
             a, b, _, read_acc = chunks[j]
-            reads = [*kinds, ACCUMULATOR] if read_acc else list(kinds)
-            room = buffers[j % 2]
-            for k in reads:
-                if k not in room:
-                    room[k] = torch.empty(n, dtype=torch.float32)
-            inflight[j] = (self._io.submit(self._read_chunk, slot.index, reads, a, b - a, room), [])
+            inflight[j] = (self._io.submit(self._read_chunk, slot.index, kinds, read_acc, a, b - a, buffers[j % 2], n),
+                           [])
 
         def finish(j: int) -> None:
             """Wait for chunk ``j``'s reads and writes."""
@@ -287,11 +279,16 @@ class BlockUpdater:
                 self.ledger.release(f"{temp_key}:temp")
         return {k: bufs[k][:b - a] for k in kinds}
 
-    def _read_chunk(self, block: int, kinds: list[str], start: int, count: int,
-                    room: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Read one chunk of each of ``kinds`` into ``room`` (one I/O task: a chunk's vectors are
-        read one after another; the next chunk's reads overlap this chunk's update and writes)."""
-        return {k: self.store.read_range(block, k, start, count, room[k][:count], drop=False) for k in kinds}
+    def _read_chunk(self, block: int, kinds: tuple[str, ...], read_acc: bool, start: int, count: int,
+                    room: dict[str, torch.Tensor], room_numel: int) -> dict[str, torch.Tensor]:
+        """Read one chunk of each of ``kinds`` (and of the accumulator when ``read_acc``) into
+        ``room``, whose vectors of ``room_numel`` elements are allocated on first use; one call
+        reads a chunk's vectors one after another (one I/O task on the pipelined path)."""
+        reads = [*kinds, ACCUMULATOR] if read_acc else list(kinds)
+        for k in reads:
+            if k not in room:
+                room[k] = torch.empty(room_numel, dtype=torch.float32)
+        return {k: self.store.read_range(block, k, start, count, room[k][:count], drop=False) for k in reads}
 
     def _write_chunk(self, block: int, start: int, values: dict[str, torch.Tensor]) -> None:
         """Write one chunk of each vector in ``values`` back (one I/O task)."""
