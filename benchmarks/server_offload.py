@@ -16,7 +16,8 @@ printed), at budgets of its parameters + gradients + AdamW state divided by each
      on a machine whose CPUs are contended the scheduler shares CPU time per thread, so a
      process with more runnable threads (prefetch, update, I/O) gets more of it and its
      wall-clock ratio can exceed 1; the CPU-time ratio measures the work the offload adds;
-   * the plan (recomputed blocks, micro-batch windows, update chunk);
+   * the plan (recomputed blocks, micro-batch windows, update chunk, how far each block's update
+     overlaps the next block's backward);
    * the trainer's tracked peak of the compute tier (``Trainer.tracked_peak_bytes``: every
      byte the executor reserves for weights, prefetched weights, gradients, staged optimizer
      state and activations) next to the budget;
@@ -135,6 +136,7 @@ def worker(args: argparse.Namespace) -> dict:
             result["plan"] = {"recomputed": len(plan.recomputed), "blocks": len(plan.activations),
                               "micro_batch_windows": plan.micro_batch_windows,
                               "update_chunk_numel": plan.update_chunk_numel, "prefetch_depth": plan.prefetch_depth,
+                              "update_overlap": plan.update_overlap.value,
                               "predicted_peak_bytes": plan.predicted.peak_bytes}
             residency = trainer.residency()
             result["residency"] = residency if isinstance(residency, dict) else str(residency)
@@ -269,8 +271,8 @@ def main() -> int:
     rows = []
     print()
     print("| state / budget | tier | throughput vs in-memory (median, range) | tokens per CPU-second vs in-memory | "
-          "plan: recomputed / micro-batch / chunk | tracked peak / budget | process peak RSS over loaded (anonymous) | "
-          "loss first -> last |")
+          "plan: recomputed / micro-batch / chunk / update | tracked peak / budget | "
+          "process peak RSS over loaded (anonymous) | loss first -> last |")
     print("|---|---|---|---|---|---|---|---|")
     mem = [rd["runs"]["memory"] for rd in rounds]
     print(f"| - | in-memory | 1.00x ({statistics.median(r['tokens_per_s'] for r in mem):,.0f} tokens/s) | 1.00x | - | "
@@ -292,7 +294,8 @@ def main() -> int:
             rows.append(row)
             print(f"| {r:g}x | {mode} | {_spread(ratio)} | {_spread(cpu_ratio)} | "
                   f"{plan['recomputed']}/{plan['blocks']} blocks, "
-                  f"{plan['micro_batch_windows']} of {args.batch_size} windows, {plan['update_chunk_numel']:,} | "
+                  f"{plan['micro_batch_windows']} of {args.batch_size} windows, {plan['update_chunk_numel']:,}"
+                  f"{'' if plan['update_overlap'] == 'backward' else ', update overlap: ' + plan['update_overlap']} | "
                   f"{max(row['tracked_peak_bytes']) / MIB:.2f} / {budgets[r] / MIB:.2f} MiB | "
                   f"+{max(row['peak_rss_delta_bytes']) / MIB:.1f} MiB "
                   f"(+{max(row['peak_anon_delta_bytes']) / MIB:.1f}) | "

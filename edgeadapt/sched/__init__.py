@@ -13,7 +13,7 @@ from .errors import BudgetExceeded, NoFeasiblePlan
 from .ir import Graph, Op, Param
 from .label_free_cost import predict_label_free
 from .offload import BlockTooLarge, plan_offload
-from .plan import Action, Mode, ParamPlan, Peak, Plan, Tier
+from .plan import Action, Mode, ParamPlan, Peak, Plan, Tier, UpdateOverlap
 from .policy import Rule, UpdatePolicy
 from .remat import Chain, chain_from_graph, min_flops_schedule, min_peak_schedule, sqrt_schedule
 from .resolve import cut_of, plan_from_policy, policy_of_plan, resolve_channels, resolve_params, trained_bytes
@@ -22,7 +22,7 @@ from .verify import TimelineEvent, check_plan, timeline, verify
 
 __all__ = [
     "Graph", "Op", "Param",
-    "Plan", "ParamPlan", "Peak", "Mode", "Tier", "Action", "parse_bytes", "format_bytes",
+    "Plan", "ParamPlan", "Peak", "Mode", "Tier", "Action", "UpdateOverlap", "parse_bytes", "format_bytes",
     "Rule", "UpdatePolicy",
     "plan_from_policy", "policy_of_plan", "resolve_params", "resolve_channels", "cut_of", "trained_bytes",
     "CostModel", "predict", "predict_label_free", "PHASES", "ENGINES",

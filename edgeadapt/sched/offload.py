@@ -14,19 +14,25 @@ block graph (one :class:`~edgeadapt.sched.ir.Op` per block) and a budget:
 * the elements per chunk of the staged optimizer update (``Plan.update_chunk_numel``);
 * the windows per forward/backward (``Plan.micro_batch_windows``): a step of ``b`` windows may
   run as ``ceil(b / m)`` micro-batches whose gradients are accumulated per block;
+* how far each block's optimizer update runs beside the next block's backward
+  (``Plan.update_overlap``, :class:`~edgeadapt.sched.plan.UpdateOverlap`): through all of it
+  (the default), only while the next block's weights come in and its activations are
+  recomputed (its gradients wait for the update), or not at all, so that two blocks'
+  gradients are never held at once;
 * the predicted peak of the compute tier and where it occurs.
 
 A CPU run from the host tier computes on the master weights where they are
 (``weights_in_place``): its weights take no compute-tier bytes and are neither copied nor
 prefetched.
 
-**The search.** Every knob lowers the peak monotonically except the micro-batch size: more
-recompute, a shallower prefetch and a smaller update chunk never raise it (each only removes
-terms below), so for each micro-batch size the smallest peak is the one with every block
-recomputed, prefetch 0 and the smallest chunk. The smallest budget any plan fits is the
-minimum of that over the micro-batch sizes; below it the planner refuses with
-:class:`~edgeadapt.sched.errors.NoFeasiblePlan` naming it. At or above it the planner returns
-the first plan that fits in this preference order (fastest first):
+**The search.** Every knob lowers the peak monotonically except the micro-batch size and the
+update's overlap: more recompute, a shallower prefetch and a smaller update chunk never raise
+it (each only removes terms below), so for each micro-batch size and overlap the smallest peak
+is the one with every block recomputed, prefetch 0 and the smallest chunk. The smallest budget
+any plan fits is the minimum of that over the micro-batch sizes and the three overlaps; below it
+the planner refuses with :class:`~edgeadapt.sched.errors.NoFeasiblePlan` naming it. At or
+above it the planner returns the first plan that fits in this preference order (fastest
+first):
 
 1. the fewest micro-batches (each one reads every block's weights again, runs smaller kernels,
    and accumulating a gradient costs a pass over it; on the host tier, where no weights move,
@@ -40,7 +46,11 @@ the first plan that fits in this preference order (fastest first):
 3. otherwise, the deepest prefetch up to the requested depth (prefetch hides the tier's reads),
    then the fewest recomputed saved bytes (recompute repeats a block's forward). In both cases,
    for given micro-batch, chunk and prefetch, blocks are kept greedily, the most saved bytes
-   first, from an all-recompute plan while the plan fits.
+   first, from an all-recompute plan while the plan fits;
+4. at each micro-batch size, updates overlapping the whole next backward, then only the next
+   block's recompute, then none: waiting for an update puts what is left of the update
+   thread's work on the step's critical path, so each is taken only where the one before does
+   not fit at that micro-batch size.
 
 The cost model (what the executor reserves, per micro-batch of ``b`` windows; the whole
 step's input batch is held throughout):
@@ -53,7 +63,15 @@ step's input batch is held throughout):
   gradients, the prefetched weights, and the gradients of the block before (in backward
   order), whose optimizer update (or gradient accumulation) runs while ``k`` computes, with
   that update's staged master weights and optimizer state when it stages them in the compute
-  tier's own memory (a CPU run from the disk tier).
+  tier's own memory (a CPU run from the disk tier);
+* with updates overlapping less than the whole backward, the backward of ``k`` holds no other
+  block's gradients; instead the update of ``k`` (phase ``update``) starts after its backward,
+  holding the activations of blocks before ``k``, the gradients flowing into and out of ``k``,
+  its gradients and staged state, and the prefetched weights (``k``'s own weights and
+  activations are released first); overlapping the next block's recompute, it also runs while
+  block ``k - 1``'s weights come in and its saved activations are rebuilt (phase ``recompute``:
+  the activations up to ``k - 1``, the rebuilt ones, the gradient flowing into ``k - 1``, its
+  weights and the prefetched ones, beside the update's gradients and staged state).
 
 Accumulated gradients (micro-batches > 1) live in the state's tier, beside the master weights
 (host memory or files on disk), never in the compute tier: what the compute tier holds of them
@@ -83,11 +101,12 @@ from itertools import accumulate
 from ..units import format_bytes
 from .errors import BudgetExceeded, NoFeasiblePlan
 from .ir import Graph
-from .plan import Action, Mode, ParamPlan, Peak, Plan, Tier
+from .plan import Action, Mode, ParamPlan, Peak, Plan, Tier, UpdateOverlap
 
 __all__ = ["BudgetExceeded", "NoFeasiblePlan", "BlockTooLarge", "BlockCost", "block_costs", "plan_offload",
            "offload_peak", "micro_batch_sizes", "added_step_flops", "OPTIMIZER_STATE_COPIES", "RESIDENT_KIND",
-           "CHUNK_CANDIDATES_NUMEL", "CHUNK_OVERHEAD_FLOPS", "READ_FLOPS_PER_BYTE", "DEFAULT_CHUNK_NUMEL"]
+           "CHUNK_CANDIDATES_NUMEL", "CHUNK_OVERHEAD_FLOPS", "READ_FLOPS_PER_BYTE", "DEFAULT_CHUNK_NUMEL", "OVERLAPS",
+           "OVERLAP_TEXT"]
 
 RESIDENT_KIND = "resident"
 """Op kind of a block that is held in the compute tier for the whole step (not streamed)."""
@@ -112,12 +131,21 @@ pages it wrote, so a block's weights come back from the device (measured ~0.45 G
 byte, against ~46 GFLOP/s in the same run; without prefetch the main thread waited 0.15 s per
 step of that 16-block GPT for its weights, with prefetch 0.01 s)."""
 
+OVERLAPS = (UpdateOverlap.BACKWARD, UpdateOverlap.RECOMPUTE, UpdateOverlap.NONE)
+"""Update overlaps in the planner's order of preference (the most overlap first)."""
+
+OVERLAP_TEXT = {UpdateOverlap.BACKWARD: "each update overlapping the next block's backward",
+                UpdateOverlap.RECOMPUTE: "each update overlapping the next block's recompute only",
+                UpdateOverlap.NONE: "each update before the next block's backward"}
+
 DEFAULT_CHUNK_NUMEL = 1 << 18
 """The update chunk when the update does not stage in the compute tier (it bounds host memory only)."""
 
 
 class BlockTooLarge(NoFeasiblePlan):
-    """One block's weights, gradients and staged optimizer state alone exceed the budget.
+    """One block alone exceeds the budget: its gradients with its weights (its backward) or with
+    its smallest staged optimizer state (its update), whichever is larger (a resident block: all
+    three, held for the whole step).
 
     Attributes:
         block: the block's name; ``need_bytes`` is the smallest budget at which a plan exists
@@ -163,8 +191,10 @@ class BlockCost:
 
     @property
     def update_bytes(self) -> int:
-        """What the block alone holds while its gradient exists: weights, gradients, staging."""
-        return self.weight_bytes + self.grad_bytes + self.staging_bytes
+        """The most the block alone holds at once while its gradient exists: its gradients with its
+        weights (its backward) or with its staged update state (its update, which starts after
+        the weights are released)."""
+        return self.grad_bytes + max(self.weight_bytes, self.staging_bytes)
 
 
 def block_costs(graph: Graph, batch_windows: int, *, optimizer: str = "adamw",
@@ -206,7 +236,7 @@ def block_costs(graph: Graph, batch_windows: int, *, optimizer: str = "adamw",
 
 
 def offload_peak(costs: list[BlockCost], recompute: list[bool], prefetch_depth: int, *,
-                 fixed_bytes: int) -> Peak:
+                 fixed_bytes: int, update_overlap: UpdateOverlap = UpdateOverlap.BACKWARD) -> Peak:
     """The compute-tier peak of one step under the cost model in the module docstring.
 
     Args:
@@ -215,6 +245,7 @@ def offload_peak(costs: list[BlockCost], recompute: list[bool], prefetch_depth: 
             recomputed (ignored for resident blocks).
         prefetch_depth: blocks brought in ahead of use.
         fixed_bytes: held throughout (buffers and the input batch).
+        update_overlap: how far each block's update runs beside the next block's backward.
     """
     resident = [c for c in costs if c.resident]
     recompute = [r for c, r in zip(costs, recompute) if not c.resident]
@@ -239,15 +270,25 @@ def offload_peak(costs: list[BlockCost], recompute: list[bool], prefetch_depth: 
         rebuilt = c.saved_bytes if recompute[k] else 0
         # the update of the block before (in backward order) may still hold its gradients and staging
         previous = costs[k + 1].grad_bytes + costs[k + 1].staging_bytes if k + 1 < n else 0
-        total = (fixed_bytes + act_upto[k + 1] + rebuilt + c.output_bytes + c.input_bytes + c.weight_bytes
-                 + c.grad_bytes + ahead + previous)
-        phases["backward"] = max(phases["backward"], total)
-        if total > best[0]:
-            best = (total, f"backward:{c.name}")
+        beside = previous if update_overlap is UpdateOverlap.BACKWARD else 0
+        totals = {"backward": fixed_bytes + act_upto[k + 1] + rebuilt + c.output_bytes + c.input_bytes
+                  + c.weight_bytes + c.grad_bytes + ahead + beside}
+        if update_overlap is not UpdateOverlap.BACKWARD:
+            # block k's own update: its weights and activations are gone, the gradients remain
+            totals["update"] = (fixed_bytes + act_upto[k] + c.output_bytes + c.input_bytes + c.grad_bytes
+                                + c.staging_bytes + ahead)
+        if update_overlap is UpdateOverlap.RECOMPUTE and previous:
+            # the update of the block before runs on while k's weights come in and k is recomputed
+            totals["recompute"] = (fixed_bytes + act_upto[k + 1] + rebuilt + c.output_bytes + c.weight_bytes + ahead
+                                   + previous)
+        for phase, total in totals.items():
+            phases[phase] = max(phases.get(phase, 0), total)
+            if total > best[0]:
+                best = (total, f"{phase}:{c.name}")
     if resident:
         # after the backward: every streamed block is gone; the resident blocks' updates stage their state
         total = fixed_bytes + max(c.staging_bytes for c in resident)
-        phases["update"] = total
+        phases["update"] = max(phases.get("update", 0), total)
         if total > best[0]:
             best = (total, f"update:{max(resident, key=lambda c: c.staging_bytes).name}")
     return Peak(best[0], best[1], phases)
@@ -267,6 +308,7 @@ class _Setting:
     chunk_numel: int            # a chunk as large as the largest block: whole blocks
     recompute: tuple[bool, ...]
     peak: Peak
+    overlap: UpdateOverlap = UpdateOverlap.BACKWARD
 
 
 def plan_offload(graph: Graph, budget_bytes: int, *, batch_windows: int = 1, tier: str = "host",
@@ -276,8 +318,9 @@ def plan_offload(graph: Graph, budget_bytes: int, *, batch_windows: int = 1, tie
                  weights_in_place: bool = False) -> Plan:
     """Plan a streaming training step of ``graph`` under ``budget_bytes`` of compute memory.
 
-    Searches recompute per block, the update chunk, the prefetch depth and the micro-batch size
-    (see the module docstring for the order of preference) and returns the first plan that fits.
+    Searches recompute per block, the update chunk, the prefetch depth, the micro-batch size and
+    whether each block's update overlaps the next block's backward (see the module docstring for
+    the order of preference) and returns the first plan that fits.
 
     Args:
         graph: a block graph (one op per block).
@@ -303,10 +346,10 @@ def plan_offload(graph: Graph, budget_bytes: int, *, batch_windows: int = 1, tie
     Returns:
         A :class:`Plan` with every parameter ``full`` on ``tier``, ``order`` = block order,
         ``activations`` per block, ``prefetch_depth``, ``micro_batch_windows``,
-        ``update_chunk_numel`` and the predicted peak.
+        ``update_chunk_numel``, ``update_overlap`` and the predicted peak.
 
     Raises:
-        BlockTooLarge: one block's weights, gradients and smallest staged state alone exceed
+        BlockTooLarge: one block alone (:attr:`BlockCost.update_bytes`) exceeds
             the budget (the error names the block; ``need_bytes`` is the smallest budget at
             which a plan exists).
         NoFeasiblePlan: no combination fits; ``need_bytes`` is the smallest budget that does.
@@ -343,34 +386,37 @@ def plan_offload(graph: Graph, budget_bytes: int, *, batch_windows: int = 1, tie
                                      accumulate=mb < batch_windows, weights_in_place=weights_in_place)
         return cache[key]
 
-    def fit(mb: int, depth: int, chunk: int) -> _Setting | None:
+    def fit(mb: int, depth: int, chunk: int, overlap: UpdateOverlap) -> _Setting | None:
         """The plan of these knobs with the least recompute that fits, or None."""
         costs = costs_of(mb, chunk)
         n = len(costs)
         can = [not c.resident and c.saved_bytes > 0 for c in costs]
         rec = [bool(recompute is True or recompute == "auto") and x for x in can]
-        peak = offload_peak(costs, rec, depth, fixed_bytes=fixed)
+        peak = offload_peak(costs, rec, depth, fixed_bytes=fixed, update_overlap=overlap)
         if peak.peak_bytes > budget_bytes:
             return None
         if recompute == "auto":
             for k in sorted((k for k in range(n) if rec[k]), key=lambda k: -costs[k].saved_bytes):
                 rec[k] = False
-                q = offload_peak(costs, rec, depth, fixed_bytes=fixed)
+                q = offload_peak(costs, rec, depth, fixed_bytes=fixed, update_overlap=overlap)
                 if q.peak_bytes <= budget_bytes:
                     peak = q
                 else:
                     rec[k] = True
-        return _Setting(mb, depth, chunk, tuple(rec), peak)
+        return _Setting(mb, depth, chunk, tuple(rec), peak, overlap)
 
     def smallest() -> _Setting:
-        """The knobs of the smallest peak: per micro-batch size every knob at its least (all
-        recompute that the policy allows, prefetch 0, the smallest chunk), then the least of those."""
+        """The knobs of the smallest peak: per micro-batch size and overlap every other knob at its
+        least (all recompute that the policy allows, prefetch 0, the smallest chunk), then the
+        least of those (on a tie, the fewest micro-batches, then the most overlap)."""
         out = []
         for mb in micro:
             costs = costs_of(mb, chunks[-1])
             rec = [recompute in (True, "auto") and not c.resident and c.saved_bytes > 0 for c in costs]
-            out.append(_Setting(mb, 0, chunks[-1], tuple(rec), offload_peak(costs, rec, 0, fixed_bytes=fixed)))
-        return min(out, key=lambda s: (s.peak.peak_bytes, -s.micro_windows))
+            for overlap in OVERLAPS:
+                peak = offload_peak(costs, rec, 0, fixed_bytes=fixed, update_overlap=overlap)
+                out.append(_Setting(mb, 0, chunks[-1], tuple(rec), peak, overlap))
+        return min(out, key=lambda s: (s.peak.peak_bytes, -s.micro_windows, OVERLAPS.index(s.overlap)))
 
     least = smallest()
     if least.peak.peak_bytes > budget_bytes:
@@ -379,20 +425,22 @@ def plan_offload(graph: Graph, budget_bytes: int, *, batch_windows: int = 1, tie
 
     depths = range(0 if weights_in_place else prefetch_depth, -1, -1)
 
-    def best_for(mb: int) -> _Setting | None:
-        """The preferred plan with micro-batches of ``mb`` windows (orders 2 and 3), or None."""
+    def best_for(mb: int, overlap: UpdateOverlap) -> _Setting | None:
+        """The preferred plan with micro-batches of ``mb`` windows and this overlap (orders 2 and
+        3), or None."""
         if staging:
-            found = [s for s in (fit(mb, d, c) for d in depths for c in chunks) if s is not None]
+            found = [s for s in (fit(mb, d, c, overlap) for d in depths for c in chunks) if s is not None]
             return min(found, default=None, key=lambda s: (
                 added_step_flops(graph, s.recompute, s.micro_windows, s.chunk_numel, s.depth, batch_windows),
                 _recomputed_bytes(s, costs_of(mb, s.chunk_numel)), -s.depth, -s.chunk_numel))
         for depth in depths:
-            found = [s for s in (fit(mb, depth, c) for c in chunks) if s is not None]
+            found = [s for s in (fit(mb, depth, c, overlap) for c in chunks) if s is not None]
             if found:
                 return min(found, key=lambda s: (_recomputed_bytes(s, costs_of(mb, s.chunk_numel)), -s.chunk_numel))
         return None
 
-    chosen = next(s for s in map(best_for, micro) if s is not None)  # the smallest setting fits: one does
+    # order 4 inside order 1; the smallest setting fits, so one of these does
+    chosen = next(s for s in (best_for(mb, overlap) for mb in micro for overlap in OVERLAPS) if s is not None)
     costs = costs_of(chosen.micro_windows, chosen.chunk_numel)
     ptier = Tier(tier)
     return Plan(
@@ -403,7 +451,7 @@ def plan_offload(graph: Graph, budget_bytes: int, *, batch_windows: int = 1, tie
                           if not c.resident),
         order=tuple(op.name for op in graph.ops if op.kind != RESIDENT_KIND), prefetch_depth=chosen.depth,
         optimizer=optimizer, budget_bytes=budget_bytes, predicted=chosen.peak,
-        update_chunk_numel=chosen.chunk_numel,
+        update_chunk_numel=chosen.chunk_numel, update_overlap=chosen.overlap,
     )
 
 
@@ -441,7 +489,8 @@ def _refuse(graph: Graph, least: _Setting, costs: list[BlockCost], fixed: int, b
     """Raise the refusal for a budget below the smallest plan ``least``."""
     need = least.peak.peak_bytes
     knobs = (f"{'every block recomputed' if any(least.recompute) else 'no recompute'}, prefetch 0, update chunk "
-             f"{least.chunk_numel} elements, micro-batches of {least.micro_windows} of {batch_windows} windows")
+             f"{least.chunk_numel} elements, micro-batches of {least.micro_windows} of {batch_windows} windows, "
+             f"{OVERLAP_TEXT[least.overlap]}")
     hint = "" if recompute == "auto" else "; recompute='auto' trades compute for activation memory"
     held_res = sum(c.weight_bytes + c.grad_bytes for c in costs if c.resident)
 
@@ -449,10 +498,16 @@ def _refuse(graph: Graph, least: _Setting, costs: list[BlockCost], fixed: int, b
         return fixed + (held_res + c.staging_bytes if c.resident else held_res + c.update_bytes)
 
     worst = max(costs, key=alone)
+    beside = ("the gradients of the block before, whose update overlaps it, and the activations"
+              if least.overlap is not UpdateOverlap.NONE else "the activations and the gradients flowing through it")
     if alone(worst) > budget_bytes:
+        staged = f"staged master weights and {optimizer} state {format_bytes(worst.staging_bytes)}"
         parts = f"weights {format_bytes(worst.weight_bytes)} + gradients {format_bytes(worst.grad_bytes)}"
-        if worst.staging_bytes:
-            parts += f" + staged master weights and {optimizer} state {format_bytes(worst.staging_bytes)}"
+        if worst.resident and worst.staging_bytes:  # held all step, beside its update's staging
+            parts += f" + {staged}"
+        elif not worst.resident and worst.staging_bytes > worst.weight_bytes:  # its update is its largest moment
+            parts = (f"gradients {format_bytes(worst.grad_bytes)} + {staged} during its update (its weights, "
+                     f"{format_bytes(worst.weight_bytes)}, are released before it)")
         others = held_res - (worst.weight_bytes + worst.grad_bytes if worst.resident else 0)
         if others:
             parts += f" + weights and gradients of the resident blocks, held all step {format_bytes(others)}"
@@ -462,11 +517,11 @@ def _refuse(graph: Graph, least: _Setting, costs: list[BlockCost], fixed: int, b
         raise BlockTooLarge(
             need, budget_bytes, worst.name,
             f"block {worst.name!r} alone holds {parts} ({format_bytes(alone(worst))}); with what runs beside it "
-            "(the gradients of the block before, whose update overlaps it, and the activations), the smallest "
+            f"({beside}), the smallest "
             f"budget at which a plan exists is {need} bytes ({format_bytes(need)}): raise the budget to it, or "
             f"split {what} into smaller modules")
     raise NoFeasiblePlan(
         need, budget_bytes, least.peak.where,
-        detail=f"no combination of recompute, prefetch, update chunk and micro-batches fits; the smallest budget "
-               f"that fits is {need} bytes ({format_bytes(need)}) ({knobs}): raise the budget to at least that "
-               f"or lower the batch size{hint}")
+        detail=f"no combination of recompute, prefetch, update chunk, micro-batches and update overlap fits; the "
+               f"smallest budget that fits is {need} bytes ({format_bytes(need)}) ({knobs}): raise the budget to at "
+               f"least that or lower the batch size{hint}")

@@ -19,7 +19,7 @@ from typing import Any
 
 from .policy import Mode
 
-__all__ = ["Mode", "Tier", "Action", "ParamPlan", "Peak", "Plan", "PLAN_VERSION"]
+__all__ = ["Mode", "Tier", "Action", "UpdateOverlap", "ParamPlan", "Peak", "Plan", "PLAN_VERSION"]
 
 PLAN_VERSION = 1
 
@@ -30,6 +30,19 @@ class Tier(str, Enum):
     COMPUTE = "compute"
     HOST = "host"
     DISK = "disk"
+
+
+class UpdateOverlap(str, Enum):
+    """How far a streamed block's optimizer update (server) runs beside the next block's backward.
+
+    ``BACKWARD``: through the whole next backward (two blocks' gradients are held at once);
+    ``RECOMPUTE``: while the next block's weights come in and its activations are recomputed,
+    finishing before its gradients exist; ``NONE``: before the next block starts.
+    """
+
+    BACKWARD = "backward"
+    RECOMPUTE = "recompute"
+    NONE = "none"
 
 
 class Action(str, Enum):
@@ -126,6 +139,9 @@ class Plan:
         prefetch_depth: blocks brought in ahead of use (server).
         update_chunk_numel: elements per chunk of the staged optimizer update (server); ``None``
             on the device.
+        update_overlap: how far each block's optimizer update runs beside the next block's
+            backward (server; :class:`UpdateOverlap`, the whole backward by default: the
+            fastest).
         optimizer: ``"adamw"`` or ``"sgd"`` (decides optimizer-state bytes).
         budget_bytes: the budget the plan was made for; ``None`` for an unconstrained plan.
         predicted: the planner's predicted peak.
@@ -147,11 +163,13 @@ class Plan:
     predicted: Peak | None = None
     policy: dict[str, Any] | None = None
     update_chunk_numel: int | None = None
+    update_overlap: UpdateOverlap = UpdateOverlap.BACKWARD
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", tuple(self.params))
         object.__setattr__(self, "activations", tuple((str(n), Action(a)) for n, a in self.activations))
         object.__setattr__(self, "order", tuple(self.order))
+        object.__setattr__(self, "update_overlap", UpdateOverlap(self.update_overlap))
         for key in ("batch_windows", "micro_batch_windows", "n_windows"):
             if int(getattr(self, key)) < 1:
                 raise ValueError(f"plan: {key} must be >= 1, got {getattr(self, key)}")
@@ -210,6 +228,7 @@ class Plan:
         }
         if self.update_chunk_numel is not None:  # server plans only: device manifests keep their keys
             d["update_chunk_numel"] = self.update_chunk_numel
+            d["update_overlap"] = self.update_overlap.value
         return d
 
     @classmethod
@@ -227,6 +246,7 @@ class Plan:
             predicted=None if d.get("predicted") is None else Peak.from_dict(d["predicted"]),
             policy=d.get("policy"),
             update_chunk_numel=None if d.get("update_chunk_numel") is None else int(d["update_chunk_numel"]),
+            update_overlap=UpdateOverlap(d.get("update_overlap", UpdateOverlap.BACKWARD.value)),
         )
 
     def to_json(self) -> str:

@@ -272,6 +272,7 @@ class _Call:
             xs, outs = self.xs, self.inner
         pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
         wrt_in = [x for x, need in zip(xs, need_in) if need and x.requires_grad]
+        w.updater.before_gradients()
         w.ledger.reserve(f"grads:{slot.name}", slot.weight_bytes)
         try:
             if pairs:

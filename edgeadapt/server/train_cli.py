@@ -197,6 +197,7 @@ def _export_hint(run_dir: Path, spec: dict) -> str | None:
 # ---- the command ------------------------------------------------------------------------
 def _print_plan(args: argparse.Namespace, budget: int | None, echo) -> int:
     """``--plan-only``: the plan of the first batch's size, printed; nothing trained or written."""
+    from ..sched.offload import OVERLAP_TEXT
     from .trainer import plan_training
 
     if args.offload == "none":
@@ -219,6 +220,7 @@ def _print_plan(args: argparse.Namespace, budget: int | None, echo) -> int:
          f"{args.offload}")
     echo(f"  prefetch depth: {plan.prefetch_depth}")
     echo(f"  update chunk: {plan.update_chunk_numel:,} elements")
+    echo(f"  update: {OVERLAP_TEXT[plan.update_overlap]}")
     echo(f"  recompute: {len(plan.recomputed)} of {n_blocks} blocks")
     for name, action in plan.activations:
         echo(f"    {name}: {action.value}")

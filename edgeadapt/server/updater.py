@@ -20,7 +20,7 @@ import torch
 
 from ..optimizer_config import OptimizerConfig
 from ..sched.offload import DEFAULT_CHUNK_NUMEL
-from ..sched.plan import Plan
+from ..sched.plan import Plan, UpdateOverlap
 from .coordinator import BlockSlot
 from .optim import update_block
 from .residency import MemoryLedger
@@ -55,6 +55,7 @@ class BlockUpdater:
         self.owned = None if owned is None else frozenset(owned)
         self.lr = optimizer.lr
         self.chunk_numel = DEFAULT_CHUNK_NUMEL
+        self.overlap = UpdateOverlap.BACKWARD  # how far an update runs beside the next backward
         self.micro, self.micro_count = 0, 1
         self._updater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgeadapt-update")
         self._pending: list[Future] = []
@@ -64,8 +65,9 @@ class BlockUpdater:
     def set_plan(self, plan: Plan) -> None:
         """Adopt the plan's update chunk (:attr:`chunk_numel`: elements per chunk of a staged
         update; staged bytes: 4 x this x (2 + optimizer-state vectors): master weights, state, one
-        temporary)."""
+        temporary) and how far an update runs beside the next block's backward (:attr:`overlap`)."""
         self.chunk_numel = int(plan.update_chunk_numel or DEFAULT_CHUNK_NUMEL)
+        self.overlap = plan.update_overlap
 
     def owns(self, index: int) -> bool:
         """Whether this process runs block ``index``'s optimizer update (and keeps its state)."""
@@ -86,11 +88,13 @@ class BlockUpdater:
 
         The reduction (a collective when a process group is set) and the copy of the gradients
         off a GPU run on the calling thread, in block order; the update itself runs on one
-        background thread while the backward of the next block proceeds. :meth:`wait` waits
-        for it. The reservation ``grads:<block>`` is released when the gradients are no longer
-        held in the compute tier. A block another rank owns (ZeRO-1) is not updated here: after
-        the reduction its gradients are dropped (the owner broadcasts the new weights after the
-        step).
+        background thread while the backward of the next block proceeds (as far as
+        :attr:`overlap` allows: with ``RECOMPUTE`` the next block calls :meth:`before_gradients`
+        before its gradients exist, with ``NONE`` this call returns when the update is done).
+        :meth:`wait` waits for it. The reservation ``grads:<block>`` is released when the
+        gradients are no longer held in the compute tier. A block another rank owns (ZeRO-1) is
+        not updated here: after the reduction its gradients are dropped (the owner broadcasts
+        the new weights after the step).
         """
         present = [i for i, g in enumerate(grads) if g is not None]
         gl = [grads[i] for i in present]
@@ -117,6 +121,14 @@ class BlockUpdater:
             slot.accumulated |= set(present)
         self.wait()  # at most one update in flight: the planner counts one block's gradients
         self._pending.append(self._updater.submit(self._apply, slot, present, gl, had, final))
+        if self.overlap is UpdateOverlap.NONE:  # the plan has no room for them in the next backward
+            self.wait()
+
+    def before_gradients(self) -> None:
+        """Called by a block's backward before its gradients are reserved: with updates that
+        overlap only the next block's recompute, the update still running finishes here."""
+        if self.overlap is UpdateOverlap.RECOMPUTE:
+            self.wait()
 
     def wait(self) -> None:
         """Wait for the step's optimizer updates; re-raises the first failure."""

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,10 @@ WORKER = textwrap.dedent("""
 """)
 
 
+# What libstdc++ prints when a std::thread is destroyed while joinable (a gloo thread at exit).
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -93,6 +98,11 @@ def _run(tmp_path: Path, n_proc: int, engine: str, steps: int = 3) -> tuple[dict
            f"--master-port={_free_port()}", str(script), str(out), engine, str(steps)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    if proc.returncode != 0 and TEARDOWN_ABORT in proc.stderr:
+        # A rank can abort in gloo's C++ teardown after its work is done (seen once in many CI
+        # runs, torch 2.13): run again once. A rank that fails during the run fails both times.
+        warnings.warn(f"a gloo rank aborted at teardown ({TEARDOWN_ABORT!r}); running the workers again")
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return (torch.load(out, map_location="cpu", weights_only=True), json.loads(Path(f"{out}.json").read_text()))
 

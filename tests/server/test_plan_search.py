@@ -12,15 +12,16 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import re
 
 import pytest
 import torch
 from server_helpers import MLPStack, reference_train
 from torch import nn
 
-from edgeadapt.sched import Graph, NoFeasiblePlan, Op, Param
-from edgeadapt.sched.offload import (CHUNK_CANDIDATES_NUMEL, CHUNK_OVERHEAD_FLOPS, added_step_flops, block_costs,
-                                     micro_batch_sizes, offload_peak, plan_offload)
+from edgeadapt.sched import Graph, NoFeasiblePlan, Op, Param, Plan, UpdateOverlap
+from edgeadapt.sched.offload import (CHUNK_CANDIDATES_NUMEL, CHUNK_OVERHEAD_FLOPS, OVERLAP_TEXT, OVERLAPS,
+                                     added_step_flops, block_costs, micro_batch_sizes, offload_peak, plan_offload)
 from edgeadapt.server import Trainer, trace_graph
 from edgeadapt.server.trainer import offload_plan
 from edgeadapt.server.updater import BlockUpdater
@@ -64,16 +65,18 @@ def _graph(saved: list[int], weight_numel: int = 2048, out: int = 64, flops: int
 
 
 def _brute_force_minimum(g: Graph, batch: int, max_micro: int, depth: int, tier: str = "disk") -> int:
-    """The least peak over every combination: each recompute subset, prefetch, chunk and micro-batch."""
+    """The least peak over every combination: each recompute subset, prefetch, chunk, micro-batch and
+    update overlap."""
     largest = max(g.param(p).param_bytes // 4 for op in g.ops for p in op.params)
     chunks = sorted({min(c, largest) for c in CHUNK_CANDIDATES_NUMEL})
     best = None
     for mb in micro_batch_sizes(batch, max_micro):
         for chunk in chunks:
             costs = block_costs(g, mb, staging=tier == "disk", staging_chunk_bytes=4 * chunk, accumulate=mb < batch)
-            for d in range(depth + 1):
+            for d, overlap in itertools.product(range(depth + 1), OVERLAPS):
                 for rec in itertools.product((False, True), repeat=len(costs)):
-                    peak = offload_peak(costs, list(rec), d, fixed_bytes=g.input_bytes * batch).peak_bytes
+                    peak = offload_peak(costs, list(rec), d, fixed_bytes=g.input_bytes * batch,
+                                        update_overlap=overlap).peak_bytes
                     best = peak if best is None else min(best, peak)
     return best
 
@@ -100,7 +103,8 @@ def test_every_budget_from_the_least_up_finds_a_plan_that_fits():
                             accumulate=plan.micro_batch_windows < 4)
         rec = [plan.action(c.name).value == "recompute" for c in costs]
         # the plan's own numbers re-derived: it fits
-        assert offload_peak(costs, rec, plan.prefetch_depth, fixed_bytes=g.input_bytes * 4) == plan.predicted
+        assert offload_peak(costs, rec, plan.prefetch_depth, fixed_bytes=g.input_bytes * 4,
+                            update_overlap=plan.update_overlap) == plan.predicted
         assert plan.predicted.peak_bytes <= budget
 
 
@@ -158,6 +162,72 @@ def test_host_tier_keeps_prefetch_then_least_recompute():
     assert offload_peak(costs, [False, False, True, False], 1, fixed_bytes=g.input_bytes * 4).peak_bytes > keep - 1
 
 
+def _least(g: Graph, batch: int, overlap: UpdateOverlap, tier: str = "disk", in_place: bool = False,
+           chunk_numel: int = CHUNK_CANDIDATES_NUMEL[0]) -> int:
+    """The least peak of a whole-batch plan with this update overlap: every other knob at its
+    least (all recompute, prefetch 0, the smallest chunk unless given)."""
+    costs = block_costs(g, batch, staging=tier == "disk", staging_chunk_bytes=4 * chunk_numel,
+                        weights_in_place=in_place)
+    return offload_peak(costs, [c.saved_bytes > 0 and not c.resident for c in costs], 0,
+                        fixed_bytes=g.input_bytes * batch, update_overlap=overlap).peak_bytes
+
+
+@pytest.mark.parametrize("tier", ["disk", "host"])
+def test_updates_overlap_less_only_where_more_overlap_cannot_fit(tier):
+    g = _graph([3000, 12000, 500, 8000], weight_numel=4096)
+    least = {o: _least(g, 4, o, tier) for o in OVERLAPS}
+    assert least[UpdateOverlap.NONE] <= least[UpdateOverlap.RECOMPUTE] < least[UpdateOverlap.BACKWARD]
+    if tier == "disk":  # the update's staged chunk beside the next block's recompute costs bytes
+        assert least[UpdateOverlap.NONE] < least[UpdateOverlap.RECOMPUTE]
+    else:  # without staging, the next block's own backward holds more than its recompute beside the update
+        assert least[UpdateOverlap.NONE] == least[UpdateOverlap.RECOMPUTE]
+    assert least[UpdateOverlap.NONE] == _brute_force_minimum(g, batch=4, max_micro=1, depth=1, tier=tier)
+    plan = plan_offload(g, least[UpdateOverlap.BACKWARD], batch_windows=4, tier=tier)
+    assert plan.update_overlap is UpdateOverlap.BACKWARD
+    # each overlap from its own least budget up to one byte below the next one's
+    for overlap, upper in ((UpdateOverlap.RECOMPUTE, least[UpdateOverlap.BACKWARD]),
+                           (UpdateOverlap.NONE, least[UpdateOverlap.RECOMPUTE])):
+        budgets = (least[overlap], (least[overlap] + upper) // 2, upper - 1) if least[overlap] < upper else ()
+        for budget in budgets:
+            plan = plan_offload(g, budget, batch_windows=4, tier=tier)
+            assert plan.update_overlap is overlap and plan.predicted.peak_bytes <= budget
+            assert "update" in plan.predicted.phases_bytes     # the updates that are waited for are counted
+            assert Plan.from_dict(plan.to_dict()) == plan      # the knob travels with the plan
+    # the refusal names the knobs of the least plan: the most overlap among the least ones
+    named = UpdateOverlap.NONE if tier == "disk" else UpdateOverlap.RECOMPUTE
+    with pytest.raises(NoFeasiblePlan, match=re.escape(OVERLAP_TEXT[named])):
+        plan_offload(g, least[UpdateOverlap.NONE] - 1, batch_windows=4, tier=tier)
+
+
+@pytest.mark.parametrize("offload, overlap", [("disk", UpdateOverlap.RECOMPUTE), ("disk", UpdateOverlap.NONE),
+                                              ("host", UpdateOverlap.RECOMPUTE)])
+def test_updates_that_overlap_less_train_bit_identically_under_budgets_more_overlap_exceeds(offload, overlap, adamw,
+                                                                                          tmp_path):
+    """No overlap at all is needed only where the staged update is large beside a block's recompute:
+    whole-block update chunks here (at the smallest chunks, and on the host tier, which stages
+    nothing, these equal blocks fit no budget without overlap that they do not fit overlapping
+    the recompute)."""
+    data = prenorm_batches(2)
+    graph = trace_graph(make_prenorm(), data[0][0])
+    more = OVERLAPS[OVERLAPS.index(overlap) - 1]
+    chunk = 1 << 22 if overlap is UpdateOverlap.NONE else None  # whole blocks, or the planner's choice
+    # one byte below the smallest whole-batch plan with more overlap (the model has no buffers)
+    budget = _least(graph, 32, more, offload, in_place=offload == "host",
+                    chunk_numel=chunk or CHUNK_CANDIDATES_NUMEL[0]) - 1
+    t = Trainer(make_prenorm(), optimizer=adamw, memory_budget=budget, offload=offload,
+                offload_dir=tmp_path / "state", device="cpu", example_input=data[0][0], max_micro_batches=1,
+                update_chunk_numel=chunk)
+    for x, y in data:
+        t.step(x, y)
+    assert t.plan.update_overlap is overlap and t.plan.micro_batch_windows == 32
+    assert 0 < t.tracked_peak_bytes <= budget
+    ref = reference_train(make_prenorm(), data)
+    got, want = t.model().state_dict(), ref.state_dict()
+    for k in want:
+        assert torch.equal(got[k], want[k]), f"{k} differs by {(got[k] - want[k]).abs().max()}"
+    t.close()
+
+
 def test_micro_batches_only_when_a_whole_batch_cannot_fit():
     g = _graph([40000, 40000, 40000], weight_numel=256)
     whole = _brute_force_minimum(g, batch=8, max_micro=1, depth=0, tier="host")
@@ -169,7 +239,9 @@ def test_micro_batches_only_when_a_whole_batch_cannot_fit():
     bigger = [m for m in micro_batch_sizes(8, 8) if m > plan.micro_batch_windows]
     for m in bigger:  # even with every block recomputed and no prefetch a larger micro-batch does not fit
         costs = block_costs(g, m, accumulate=True)
-        assert offload_peak(costs, [True] * 3, 0, fixed_bytes=g.input_bytes * 8).peak_bytes > whole - 1
+        for overlap in OVERLAPS:
+            peak = offload_peak(costs, [True] * 3, 0, fixed_bytes=g.input_bytes * 8, update_overlap=overlap)
+            assert peak.peak_bytes > whole - 1
 
 
 @pytest.mark.parametrize("offload", ["disk", "host"])
@@ -260,8 +332,8 @@ def test_train_plan_only_prints_the_plan_and_writes_nothing(tmp_path, capsys):
             "--device", "cpu", "--plan-only", "--no-progress"]
     assert main([*args, "--memory-budget", "3MiB"]) == 0
     out = capsys.readouterr().out
-    for field in ("tiers:", "micro-batches:", "prefetch depth:", "update chunk:", "recompute:", "predicted peak:",
-                  "blocks.0:"):
+    for field in ("tiers:", "micro-batches:", "prefetch depth:", "update chunk:", "update: each update overlapping",
+                  "recompute:", "predicted peak:", "blocks.0:"):
         assert field in out
     assert "of 3.00 MiB" in out and not run.exists()
     assert main([*args, "--memory-budget", "100KiB"]) == 2

@@ -61,3 +61,35 @@ def test_disk_tier_process_peak_agrees_with_the_tracked_peak():
     assert m["samples"] > 10
     assert m["anon"] <= 1.25 * m["budget"], m
     assert m["anon_first"] <= 1.25 * m["budget"], m
+
+
+@pytest.mark.parametrize("offload, given, applied", [
+    ("disk", "auto", [1 << 18]),     # the disk tier returns freed blocks to the OS
+    ("host", "auto", []),            # the host tier leaves malloc alone
+    ("host", 1 << 20, [1 << 20]),    # a given threshold is applied on either tier
+    ("disk", None, []),
+])
+def test_the_trainer_fixes_the_mmap_threshold_on_the_disk_tier_by_default(offload, given, applied, tmp_path,
+                                                                          monkeypatch):
+    import torch
+    from server_helpers import make_mlp
+
+    import edgeadapt.server.trainer as trainer_module
+    from edgeadapt.server import Trainer
+
+    calls = []
+    monkeypatch.setattr(trainer_module, "set_mmap_threshold", calls.append)
+    Trainer(make_mlp(width=16, depth=2), memory_budget="1MiB", offload=offload, offload_dir=tmp_path / "s",
+            device="cpu", example_input=torch.zeros(4, 12), malloc_mmap_threshold_bytes=given).close()
+    assert calls == applied
+
+
+def test_a_bad_mmap_threshold_is_refused(tmp_path):
+    import torch
+    from server_helpers import make_mlp
+
+    from edgeadapt.server import Trainer
+
+    with pytest.raises(ValueError, match="malloc_mmap_threshold_bytes"):
+        Trainer(make_mlp(width=16, depth=2), offload="host", device="cpu", example_input=torch.zeros(4, 12),
+                malloc_mmap_threshold_bytes="big")
