@@ -25,11 +25,12 @@ import gc
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 __all__ = ["status_bytes", "status_fields", "rss_bytes", "anon_rss_bytes", "peak_rss_bytes", "reset_peak_rss",
-           "PeakDelta", "measure_peak", "AnonPeakSampler", "trim_heap", "libc_function"]
+           "PeakDelta", "measure_peak", "AnonPeakSampler", "AnonHighWater", "trim_heap", "libc_function"]
 
 _STATUS = "/proc/self/status"
 
@@ -120,7 +121,69 @@ def trim_heap() -> bool:
     return True
 
 
-class AnonPeakSampler:
+class AnonHighWater:
+    """The high-water mark of RssAnon read where the caller asks (:meth:`sample`), over a baseline.
+
+    No thread: each :meth:`sample` is one read of ``/proc/self/status`` (~10 us), so a library
+    can sample at its own boundaries (the streaming trainer: every block's fetch and release).
+    A peak between two samples that is freed back to the OS before the next one is missed: the
+    figure is a lower bound of the true peak. Where ``/proc/self/status`` cannot be read (not
+    Linux) :attr:`available` is False and nothing is sampled.
+    """
+
+    def __init__(self):
+        self.baseline_bytes = 0
+        self.peak_bytes = 0
+        self.samples = 0
+        self._fd = -1
+        self._closer: weakref.finalize | None = None
+
+    @property
+    def available(self) -> bool:
+        """Whether RssAnon can be read (the status file is open)."""
+        return self._fd >= 0
+
+    def open(self) -> bool:
+        """Open the status file and take RssAnon now as the baseline; False where it cannot be read."""
+        self.close()
+        try:
+            self._fd = os.open(_STATUS, os.O_RDONLY)
+            self._closer = weakref.finalize(self, os.close, self._fd)  # closed with the object at the latest
+            self.peak_bytes = self.samples = 0
+            self.baseline_bytes = self.sample()
+        except (OSError, ValueError):
+            self.close()
+            return False
+        return True
+
+    def _read(self) -> int:
+        text = os.pread(self._fd, 8192, 0).decode()
+        i = text.index("RssAnon:")
+        return int(text[i + 8:text.index("kB", i)]) * 1024
+
+    def sample(self) -> int:
+        """Read RssAnon now, fold it into the peak and return it (0 when not :attr:`available`)."""
+        if self._fd < 0:
+            return 0
+        value = self._read()
+        self.samples += 1
+        if value > self.peak_bytes:
+            self.peak_bytes = value
+        return value
+
+    def close(self) -> None:
+        """Close the status file (the figures stay; :meth:`sample` reads nothing more)."""
+        if self._closer is not None:
+            self._closer()
+        self._closer, self._fd = None, -1
+
+    @property
+    def delta_bytes(self) -> int:
+        """Peak RssAnon over the baseline."""
+        return max(0, self.peak_bytes - self.baseline_bytes)
+
+
+class AnonPeakSampler(AnonHighWater):
     """Tracks the high-water mark of RssAnon by reading it from a daemon thread.
 
     Use as a context manager; ``peak_bytes`` is the largest RssAnon seen (at entry, every
@@ -134,36 +197,19 @@ class AnonPeakSampler:
     def __init__(self, interval_s: float = 0.001):
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        super().__init__()
         self.interval_s = interval_s
-        self.baseline_bytes = 0
-        self.peak_bytes = 0
-        self.samples = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._switch_s = 0.0
-        self._fd = -1
-
-    def _read(self) -> int:
-        text = os.pread(self._fd, 8192, 0).decode()
-        i = text.index("RssAnon:")
-        return int(text[i + 8:text.index("kB", i)]) * 1024
-
-    def sample(self) -> int:
-        """Read RssAnon now, fold it into the peak and return it."""
-        value = self._read()
-        self.samples += 1
-        if value > self.peak_bytes:
-            self.peak_bytes = value
-        return value
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             self.sample()
 
     def __enter__(self) -> AnonPeakSampler:
-        self._fd = os.open(_STATUS, os.O_RDONLY)
-        self.peak_bytes = self.samples = 0
-        self.baseline_bytes = self.sample()
+        if not self.open():
+            raise OSError(f"cannot read RssAnon from {_STATUS} (Linux 4.5 or later has it)")
         self._switch_s = sys.getswitchinterval()
         sys.setswitchinterval(min(self._switch_s, self.interval_s))
         self._stop.clear()
@@ -177,13 +223,7 @@ class AnonPeakSampler:
             self._thread.join()
         sys.setswitchinterval(self._switch_s)
         self.sample()
-        os.close(self._fd)
-        self._fd = -1
-
-    @property
-    def delta_bytes(self) -> int:
-        """Peak RssAnon over RssAnon at entry."""
-        return max(0, self.peak_bytes - self.baseline_bytes)
+        self.close()
 
 
 @dataclass

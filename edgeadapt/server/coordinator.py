@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..memory import AnonHighWater
 from ..sched.plan import Plan
 from .residency import MemoryLedger, Residency
 from .store import StateStore
@@ -105,10 +106,14 @@ class ResidencyCoordinator:
         store: master weights (read from here).
         ledger: the compute tier's account.
         device: the compute device.
+        probe: sampled at every block's fetch and release (the process's anonymous memory beside
+            the ledger's account); ``None``: not sampled.
     """
 
-    def __init__(self, slots: list[BlockSlot], store: StateStore, ledger: MemoryLedger, device: torch.device):
+    def __init__(self, slots: list[BlockSlot], store: StateStore, ledger: MemoryLedger, device: torch.device,
+                 probe: AnonHighWater | None = None):
         self.slots, self.store, self.ledger, self.device = slots, store, ledger, device
+        self.probe = probe
         self._by_name = {s.name: s for s in slots}
         self.schedule: list[int] = []
         self.depth = 1
@@ -200,6 +205,8 @@ class ResidencyCoordinator:
         """Free block ``index``'s compute copy. ``keep_storage_object``: free the bytes but keep
         the tensors (a kept autograd graph refers to them; the next load refills them)."""
         slot = self.slots[index]
+        if self.probe is not None:  # the block's work is done: its gradients and activations are still here
+            self.probe.sample()
         if slot.state is Residency.INFLIGHT:
             slot.future.result()
             slot.future = None
@@ -215,6 +222,8 @@ class ResidencyCoordinator:
 
     def acquire_in_order(self, index: int, *, backward: bool) -> BlockSlot:
         """Block ``index`` resident, and the blocks after it in the schedule prefetched."""
+        if self.probe is not None:
+            self.probe.sample()
         slot = self.acquire(index)
         self._prefetch_after(self._position(index, backward))
         return slot

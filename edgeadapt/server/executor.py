@@ -47,6 +47,7 @@ import contextlib
 
 import torch
 
+from ..memory import AnonHighWater
 from ..optimizer_config import OptimizerConfig
 from ..sched.plan import Plan
 from .block_autograd import BlockWiring
@@ -73,14 +74,15 @@ class StreamingExecutor:
         owned: the block indices whose optimizer update this process runs (ZeRO-1: another
             rank updates the others and broadcasts their weights, :mod:`edgeadapt.server.zero`);
             ``None``: every block.
+        probe: sampled at every block's fetch and release (see :class:`ResidencyCoordinator`).
     """
 
     def __init__(self, blocks: list[Block], store: StateStore, ledger: MemoryLedger, device: torch.device,
                  plan: Plan, optimizer: OptimizerConfig, reduce: ReduceFn | None = None,
-                 owned=None):
+                 owned=None, probe: AnonHighWater | None = None):
         self.store, self.ledger, self.device, self.optimizer = store, ledger, device, optimizer
         self.slots: list[BlockSlot] = [BlockSlot.of(i, b) for i, b in enumerate(blocks)]
-        self.residency = ResidencyCoordinator(self.slots, store, ledger, device)
+        self.residency = ResidencyCoordinator(self.slots, store, ledger, device, probe)
         self.updater = BlockUpdater(store, ledger, device, optimizer, reduce=reduce, owned=owned)
         self.wiring = BlockWiring(self.slots, self.residency, self.updater)
         self.set_plan(plan)

@@ -1,4 +1,6 @@
-"""A tqdm progress bar for training: loss, windows (or tokens) per second, bytes per tier."""
+"""What a training run shows as it goes (the CLI's bar and log lines, :class:`TrainProgress`): loss,
+windows (or tokens) per second, the compute tier's tracked peak against the budget beside the
+process's own, bytes per tier."""
 
 from __future__ import annotations
 
@@ -8,7 +10,29 @@ from tqdm.auto import tqdm
 
 from ..units import format_bytes
 
-__all__ = ["TrainProgress"]
+__all__ = ["TrainProgress", "memory_fields"]
+
+
+def memory_fields(trainer) -> dict[str, str]:
+    """The memory a run reports, by name: ``peak`` (the tracked compute-tier peak, of the budget
+    when there is one), ``process`` (the process's anonymous peak over the loaded trainer,
+    :attr:`~edgeadapt.server.Trainer.process_peak_bytes`, where it can be read), the bytes kept in
+    host memory and on disk, and with ZeRO-1 this rank's optimizer state."""
+    budget = getattr(trainer, "budget_bytes", None)
+    fields = {"peak": format_bytes(trainer.tracked_peak_bytes) + (f" of {format_bytes(budget)}" if budget else "")}
+    process = getattr(trainer, "process_peak_bytes", None)
+    if process is not None:
+        fields["process"] = f"+{format_bytes(process)}"
+    try:
+        tiers = trainer.residency()["tiers"]
+    except (AttributeError, NotImplementedError):
+        tiers = {}
+    fields.update({t: format_bytes(int(b)) for t, b in tiers.items() if t != "compute" and b})
+    if getattr(trainer, "shards_optimizer_state", False):  # ZeRO-1: this rank's share
+        sh = trainer.sharding
+        fields["optimizer state"] = (f"{format_bytes(trainer.optimizer_state_bytes)} on rank {sh.rank} of "
+                                     f"{sh.world_size} ({len(sh.owned)}/{len(sh.owners)} blocks)")
+    return fields
 
 
 class TrainProgress:
@@ -38,18 +62,10 @@ class TrainProgress:
         self.loss = float("nan")
 
     def postfix(self) -> dict[str, str]:
-        """The fields shown: loss, throughput, compute-tier tracked peak (of the budget) and bytes in host/disk."""
+        """The fields shown: loss, throughput and :func:`memory_fields`."""
         elapsed = max(time.perf_counter() - self._t0, 1e-9)
-        tiers = self.trainer.residency()["tiers"]
-        fields = {"loss": f"{self.loss:.4f}", f"{self.unit}/s": f"{self._items / elapsed:.1f}",
-                  "compute peak": format_bytes(self.trainer.tracked_peak_bytes)}
-        budget = getattr(self.trainer, "budget_bytes", None)
-        if budget:
-            fields["compute peak"] += f" of {format_bytes(budget)}"
-        fields.update({t: format_bytes(b) for t, b in tiers.items() if t != "compute" and b})
-        if getattr(self.trainer, "shards_optimizer_state", False):  # ZeRO-1: this rank's share
-            fields["optimizer state"] = format_bytes(self.trainer.optimizer_state_bytes)
-        return fields
+        return {"loss": f"{self.loss:.4f}", f"{self.unit}/s": f"{self._items / elapsed:.1f}",
+                **memory_fields(self.trainer)}
 
     def update(self, loss: float, *, items: int) -> None:
         """Record one step's loss and how many windows (or tokens) it processed."""

@@ -55,6 +55,7 @@ from ..models import GPT_PRESETS, build_gpt, build_model
 from ..units import format_bytes, parse_bytes
 from .data import TokenArray, TokenStream, WindowSource, load_windows
 from .distributed import DistContext, broadcast_parameters, gather_rng_states, init_from_env, shutdown
+from .progress import memory_fields
 
 __all__ = ["cmd_train", "load_trained"]
 
@@ -229,21 +230,15 @@ def _print_plan(args: argparse.Namespace, budget: int | None, echo) -> int:
     return 0
 
 
-def _residency_text(trainer) -> str:
-    try:
-        residency = trainer.residency()
-    except (AttributeError, NotImplementedError):
+def _process_text(trainer) -> str:
+    process = trainer.process_peak_bytes
+    if process is None:
         return ""
-    per_tier = residency.get("tiers", {})
-    budget = getattr(trainer, "budget_bytes", None)
-    parts = [f"peak {format_bytes(trainer.tracked_peak_bytes)}" + (f" of {format_bytes(budget)}" if budget else "")]
-    parts += [f"{tier} {format_bytes(int(b))}" for tier, b in per_tier.items()
-              if tier != "compute" and isinstance(b, (int, np.integer))]
-    if getattr(trainer, "shards_optimizer_state", False):
-        sh = trainer.sharding
-        parts.append(f"optimizer state {format_bytes(trainer.optimizer_state_bytes)} on rank {sh.rank} "
-                     f"of {sh.world_size} ({len(sh.owned)}/{len(sh.owners)} blocks)")
-    return ", ".join(parts)
+    return f" (the process's anonymous peak: +{format_bytes(process)} over the loaded trainer)"
+
+
+def _residency_text(trainer) -> str:
+    return ", ".join(f"{name} {value}" for name, value in memory_fields(trainer).items())
 
 
 def _mean_over_ranks(value: float, ctx: DistContext) -> float:
@@ -414,7 +409,7 @@ def _train_loop(trainer, source, args: argparse.Namespace, run_dir: Path, run_co
     weights = _save_weights(trainer.model(), run_dir, spec)
     echo(f"done: step {args.steps}, loss {loss_value:.4f}, {items / max(elapsed_s, 1e-9):,.0f} {source.unit}/s, "
          f"tracked peak {format_bytes(trainer.tracked_peak_bytes)}"
-         + (f" of a {format_bytes(budget)} budget" if budget else "") + f"; weights {weights}")
+         + (f" of a {format_bytes(budget)} budget" if budget else "") + _process_text(trainer) + f"; weights {weights}")
     hint = _export_hint(run_dir, spec)
     if hint:
         echo(f"export it for the device: {hint}")

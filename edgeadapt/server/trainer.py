@@ -7,6 +7,7 @@ Typical use::
                 offload="disk", offload_dir="runs/x/state", device="auto", example_input=x)
     loss = t.step(x, y)               # one optimizer step
     t.tracked_peak_bytes              # most bytes ever held in the compute tier
+    t.process_peak_bytes              # the process's anonymous memory at its highest, over the loaded trainer
     t.save_checkpoint("runs/x/ckpt")  # atomic, resumable with Trainer.resume
 
 With ``offload="host"`` or ``"disk"`` the :class:`~edgeadapt.server.executor.StreamingExecutor`
@@ -36,6 +37,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..memory import AnonHighWater
 from ..sched.ir import Graph
 from ..sched.offload import plan_offload
 from ..sched.plan import Plan
@@ -242,6 +244,9 @@ class Trainer:
 
         self.executor: StreamingExecutor | None = None
         self.store = None
+        # the process's RssAnon sampled at block boundaries (process_peak_bytes); its baseline is
+        # taken once the state is loaded
+        self.process_memory = AnonHighWater()
         self._steps: StepStrategy
         if offload is None:
             self._steps = InMemorySteps(model, self.blocks, self.spec, self.ledger, self.device,
@@ -269,7 +274,7 @@ class Trainer:
             self.executor = StreamingExecutor(self.blocks, self.store, self.ledger, self.device,
                                               self._plans.get(self._first_batch(), None) or self._default_plan(),
                                               self.spec, reduce=lambda name, grads: self._reduce(name, grads),
-                                              owned=owned)
+                                              owned=owned, probe=self.process_memory)
             self.executor.load_weights(dict(model.named_parameters()))
             self.executor.install()
             for mod in model.modules():
@@ -278,6 +283,7 @@ class Trainer:
                         mod._buffers[name] = b.to(self.device)
             self.ledger.reserve("buffers", self.buffer_bytes)
             self._steps = StreamedSteps(model, self.blocks, self.spec, self.executor, self.store, self.sharding)
+        self.process_memory.open()
 
     # ---- planning ---------------------------------------------------------------------
     def _first_batch(self) -> int:
@@ -374,6 +380,7 @@ class Trainer:
                 if scale is not None:
                     loss = loss * scale
             steps.charge(outside, nested_tensors(out), loss)
+            self.process_memory.sample()  # the end of the forward: every activation is held
             del out
             value = float(loss.detach())
             if not math.isfinite(value):
@@ -381,6 +388,7 @@ class Trainer:
                                          "Lower the learning rate or check the data for extreme values")
             steps.before_backward()
             loss.backward()
+            self.process_memory.sample()
             del loss
             outside.clear()  # what autograd saved, released with the graph
             steps.after_backward()
@@ -409,6 +417,18 @@ class Trainer:
     def tracked_peak_bytes(self) -> int:
         """The most bytes the trainer held in the compute tier at once."""
         return self.ledger.peak_bytes
+
+    @property
+    def process_peak_bytes(self) -> int | None:
+        """The process's resident anonymous memory (RssAnon) at its highest over what it held
+        when the trainer had loaded the model's state: sampled at every streamed block's fetch
+        and release and at the end of each forward and backward, so a lower bound of the true
+        peak (memory freed back to the OS between two samples is missed). Unlike
+        :attr:`tracked_peak_bytes` it counts everything in the process: the host tier's state
+        written after loading, memory the allocator keeps after a free, other threads' and the
+        caller's allocations. ``None`` where the process's memory cannot be read (not Linux)."""
+        probe = self.process_memory
+        return probe.delta_bytes if probe.available else None
 
     @property
     def shards_optimizer_state(self) -> bool:
@@ -518,6 +538,7 @@ class Trainer:
     def close(self) -> None:
         """Stop the prefetch thread and remove the disk tier's files."""
         self._steps.close()
+        self.process_memory.close()
 
     def __enter__(self) -> Trainer:
         return self

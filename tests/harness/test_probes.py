@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from edgeadapt.memory import AnonPeakSampler, anon_rss_bytes, measure_peak, status_fields
+from edgeadapt.memory import AnonHighWater, AnonPeakSampler, anon_rss_bytes, measure_peak, status_fields
 from edgeadapt.versions import KERNEL_ISA_FLAGS, code_version, cpu_info, host_info, package_versions
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
@@ -41,6 +41,23 @@ def test_a_freed_allocation_shows_in_both_peaks_but_not_after():
     assert 0.95 * size <= m.delta_bytes < size + 16 * MIB
     assert 0.95 * size <= m.anon_delta_bytes < size + 16 * MIB
     assert anon_rss_bytes() < m.anon_peak_bytes - size // 2  # it was freed: the peak is a high-water mark
+
+
+def test_high_water_sees_what_is_resident_when_sampled_and_keeps_it_after_the_free():
+    size = 64 * MIB
+    probe = AnonHighWater()
+    assert probe.sample() == 0 and not probe.available  # nothing read before open()
+    assert probe.open() and probe.available and probe.samples == 1
+    block = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    view = np.frombuffer(block, dtype=np.uint8)
+    view[:] = 1
+    probe.sample()
+    del view
+    block.close()
+    probe.sample()  # after the free: the high-water mark stays
+    assert 0.95 * size <= probe.delta_bytes < size + 16 * MIB
+    probe.close()
+    assert not probe.available and probe.sample() == 0 and probe.samples == 3
 
 
 def test_sampler_restores_the_switch_interval_and_rejects_a_bad_interval():

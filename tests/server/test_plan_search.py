@@ -345,7 +345,7 @@ def test_train_plan_only_prints_the_plan_and_writes_nothing(tmp_path, capsys):
     assert "--checkpoint-dir is required to train" in capsys.readouterr().err
 
 
-def test_train_progress_shows_the_tracked_peak_against_the_budget(tmp_path, capsys):
+def test_train_progress_shows_the_tracked_peak_against_the_budget_and_the_process_peak(tmp_path, capsys):
     from edgeadapt.cli import main
 
     assert main(["train", "--model", "gpt-nano", "--vocab-size", "64", "--context-len", "16", "--d-model", "32",
@@ -353,4 +353,5 @@ def test_train_progress_shows_the_tracked_peak_against_the_budget(tmp_path, caps
                  "--memory-budget", "300KiB", "--checkpoint-dir", str(tmp_path / "run"), "--no-progress"]) == 0
     out = capsys.readouterr().out
     final = out.split("tracked peak ")[1].split(" of a ")[0]     # the done line: tracked peak X of a 300 KiB budget
-    assert "step 2/2: " in out and f"peak {final} of 300.00 KiB" in out
+    assert "step 2/2: " in out and f"peak {final} of 300.00 KiB, process +" in out
+    assert "the process's anonymous peak: +" in out.split("done: ")[1]

@@ -46,7 +46,8 @@ with measure_peak(anon_interval_s=0.0005) as pk:
 base = first.anon_baseline_bytes
 print(json.dumps({{"state": state, "budget": budget, "tracked": t.tracked_peak_bytes,
                   "anon_first": first.anon_peak_bytes - base, "anon": pk.anon_peak_bytes - base,
-                  "samples": pk.anon_samples}}))
+                  "samples": pk.anon_samples, "trainer": t.process_memory.peak_bytes - base,
+                  "trainer_samples": t.process_memory.samples}}))
 t.close()
 """
 
@@ -61,6 +62,10 @@ def test_disk_tier_process_peak_agrees_with_the_tracked_peak():
     assert m["samples"] > 10
     assert m["anon"] <= 1.25 * m["budget"], m
     assert m["anon_first"] <= 1.25 * m["budget"], m
+    # the trainer's own figure (RssAnon at block boundaries) sees most of what the 0.5 ms sampler
+    # sees (measured: 96-100 % on 16- and 48-block GPTs)
+    assert m["trainer_samples"] > 4 * 12
+    assert m["trainer"] >= 0.5 * max(m["anon"], m["anon_first"]), m
 
 
 @pytest.mark.parametrize("offload, given, applied", [
@@ -82,6 +87,32 @@ def test_the_trainer_fixes_the_mmap_threshold_on_the_disk_tier_by_default(offloa
     Trainer(make_mlp(width=16, depth=2), memory_budget="1MiB", offload=offload, offload_dir=tmp_path / "s",
             device="cpu", example_input=torch.zeros(4, 12), malloc_mmap_threshold_bytes=given).close()
     assert calls == applied
+
+
+@pytest.mark.parametrize("offload", ["host", "disk", None])
+def test_the_trainer_reports_the_process_peak_beside_the_tracked_one(offload, tmp_path):
+    import torch
+    from server_helpers import make_mlp
+
+    from edgeadapt.server import Trainer
+    from edgeadapt.server.progress import memory_fields
+
+    x, y = torch.randn(8, 12), torch.randint(0, 5, (8,))
+    model = make_mlp(width=64, depth=3)
+    blocks = len(list(model.children()))
+    with Trainer(model, memory_budget="4MiB", offload=offload, offload_dir=tmp_path / "s", device="cpu",
+                 example_input=x) as t:
+        before = t.process_memory.samples
+        t.step(x, y)
+        after_one = t.process_memory.samples
+        t.step(x, y)
+        assert isinstance(t.process_peak_bytes, int) and t.process_peak_bytes >= 0
+        # sampled at the end of the forward and of the backward, and streamed: at every block's fetch and release
+        per_step = 2 + (4 * blocks if offload else 0)
+        assert after_one - before >= per_step and t.process_memory.samples - after_one >= per_step
+        fields = memory_fields(t)
+        assert fields["peak"].endswith("of 4.00 MiB") and fields["process"].startswith("+")
+        assert ("disk" in fields) == (offload == "disk") and ("host" in fields) == (offload == "host")
 
 
 def test_a_bad_mmap_threshold_is_refused(tmp_path):
