@@ -299,9 +299,11 @@ def readme_table(report: dict) -> str:
     model's accuracy. Every figure comes from ``report``; ``benchmarks/quickstart_readme.py``
     writes it into README.md and checks it against a fresh run."""
     host = report["host"]
+    # the vector instructions torch and ONNX Runtime pick kernels by: on other ones every figure may move
+    kernels = "kernels: " + (" ".join(host["cpu"].get("isa_flags", [])) or "none listed")
     source = {int(k): v for k, v in report["per_subject_source_only"].items() if int(k) != report["target_subject"]}
     lines = [f"Measured with `{quickstart_command(report['config'])}` ({report['total_time_s']:.0f} s; "
-             f"{host['cpu']['model']}, {report['settings']['adapt_threads']} thread(s); subject "
+             f"{host['cpu']['model']}, {kernels}, {report['settings']['adapt_threads']} thread(s); subject "
              f"{report['target_subject']} held out; memory is over the loaded runner, total VmHWM delta with "
              f"anonymous-only in brackets):", "",
              "| method | accuracy on the new subject (before → after) | trained elements | engine | one step MB "
