@@ -24,6 +24,11 @@ def parse_bytes(value: int | str) -> int:
         raise ValueError(f"a memory size must be an int or a string like '512KiB', got {value!r}")
     if isinstance(value, int):
         n = value
+    elif isinstance(value, float):
+        if not (value.is_integer() and value > 0):
+            raise ValueError(f"a memory size in bytes must be a whole number > 0, got {value!r}; "
+                             "or give a string like '1.5MiB'")
+        n = int(value)
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgG]i?[bB]|[bB])?\s*", str(value))
         if not m:

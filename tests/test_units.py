@@ -15,7 +15,7 @@ def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["", "12 parsecs", "-1KiB", 0, -5, True, "0.0001B"])
+@pytest.mark.parametrize("bad", ["", "12 parsecs", "-1KiB", 0, -5, True, "0.0001B", 1.5, -2.0, float("nan")])
 def test_parse_bytes_refuses_what_is_not_a_positive_size(bad):
     with pytest.raises(ValueError, match="memory size"):
         parse_bytes(bad)
@@ -27,6 +27,10 @@ def test_parse_bytes_refuses_what_is_not_a_positive_size(bad):
 ])
 def test_format_bytes(n, text):
     assert format_bytes(n) == text
+
+
+def test_a_whole_float_is_a_number_of_bytes():
+    assert parse_bytes(4096.0) == 4096
 
 
 def test_format_then_parse_round_trips_whole_units():

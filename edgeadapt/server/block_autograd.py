@@ -59,6 +59,7 @@ class BlockWiring:
         self._originals: dict[int, Callable] = {}
         self._ran: set[int] = set()
         self._act_keys: dict[int, set[int]] = {}
+        self.in_step = False  # between begin_step and end_step (a trainer step, or Trainer.predict)
         self._anchor = torch.zeros((), requires_grad=True)
 
     def set_plan(self, plan: Plan) -> None:
@@ -117,6 +118,8 @@ class BlockWiring:
         :meth:`update_resident` (or :meth:`end_step`)."""
         if not self._hooks_on:
             return
+        for s in self.resident_slots:
+            self.check_in_step(s.name)
         grad = torch.is_grad_enabled()
         for s in self.resident_slots:
             if s.state is Residency.RESIDENT:
@@ -154,6 +157,7 @@ class BlockWiring:
     def begin_step(self) -> None:
         self._ran.clear()
         self._act_keys.clear()
+        self.in_step = True
 
     def end_step(self) -> None:
         """Release what a step left behind: the root block's gradients of a step that failed
@@ -163,6 +167,15 @@ class BlockWiring:
         for k in list(self._act_keys):
             self.ledger.release(f"activations:{self.slots[k].name}")
         self._act_keys.clear()
+        self.in_step = False
+
+    def check_in_step(self, name: str) -> None:
+        """Refuse a call of the taken-over model with gradients on outside a trainer step."""
+        if torch.is_grad_enabled() and not self.in_step:
+            raise RuntimeError(f"block {name!r} was called with gradients on outside Trainer.step: the trainer has "
+                               "taken this model over and its backward would update the weights. Train with "
+                               "Trainer.step, predict with Trainer.predict (or under torch.no_grad()), or work on "
+                               "a copy from Trainer.model()")
 
     def _make_forward(self, slot: BlockSlot):
         def forward(*args, **kwargs):
@@ -176,6 +189,7 @@ class BlockWiring:
                 return self.run(slot, args, kwargs, [v.detach() for v in slot.leaves])
             finally:
                 self.residency.release(slot.index)
+        self.check_in_step(slot.name)
         if slot.index in self._ran:
             raise RuntimeError(f"block {slot.name!r} ran twice in one step; the streaming trainer updates each "
                                "block once per step, so a block may be called only once per forward")

@@ -211,7 +211,9 @@ class TokenArray:
         if not str(path).endswith(".npy"):
             raise ValueError(f"token data must be 'synthetic' or a .npy of integer ids, got {path!r}")
         tokens = np.load(path, allow_pickle=False)
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        if tokens.size and tokens.min() < 0:
+            raise ValueError(f"{path}: token ids must be >= 0, found {int(tokens.min())}")
+        if tokens.size and tokens.max() >= vocab_size:
             raise ValueError(f"{path}: token ids span [{tokens.min()}, {tokens.max()}] but the model's vocabulary "
                              f"is {vocab_size}; pass --vocab-size {int(tokens.max()) + 1} or more")
         return cls(tokens.reshape(-1), context_len, global_batch_size, **kwargs)

@@ -48,6 +48,7 @@ class StepStrategy(Protocol):
     def begin(self, micro: int, micro_count: int) -> None: ...
     def charge(self, outside: list[torch.Tensor], outputs: list[torch.Tensor], loss: torch.Tensor) -> None: ...
     def before_backward(self) -> None: ...
+    def blocks_updated(self) -> int: ...
     def after_backward(self) -> None: ...
     def end(self) -> None: ...
     def tracing(self) -> contextlib.AbstractContextManager: ...
@@ -120,6 +121,9 @@ class InMemorySteps:
     def before_backward(self) -> None:
         self.opt.zero_grad(set_to_none=True)
         self.ledger.reserve("grads", sum(4 * p.numel() for p in self.model.parameters()))
+
+    def blocks_updated(self) -> int:
+        return 0  # one optimizer step after the whole backward: a failed step applies nothing
 
     def after_backward(self) -> None:
         for b in self.blocks:
@@ -219,6 +223,10 @@ class StreamedSteps:
 
     def before_backward(self) -> None:
         pass
+
+    def blocks_updated(self) -> int:
+        """Blocks whose optimizer update this step has handed out (applied, or being applied)."""
+        return self.executor.updater.blocks_updated
 
     def after_backward(self) -> None:
         # the backward freed what the ops outside the blocks saved; then the root block's update

@@ -257,6 +257,10 @@ def cmd_train(args: argparse.Namespace, echo=print) -> int:
 
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.checkpoint_every < 0:
+        raise ValueError(f"--checkpoint-every must be >= 0 (0: only at the end), got {args.checkpoint_every}")
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
     if getattr(args, "plan_only", False):
         return _print_plan(args, budget, echo)
@@ -297,6 +301,10 @@ def cmd_train(args: argparse.Namespace, echo=print) -> int:
         if args.resume:
             _check_same_run(trainer.checkpoint_extra.get("run", {}), run_config, run_dir / CHECKPOINTS)
             _restore_rank_rng(trainer.checkpoint_extra, ctx)
+            if trainer.step_count >= args.steps:
+                trainer.close()
+                raise ValueError(f"--resume: {run_dir} is at step {trainer.step_count} already; give --steps "
+                                 f"above it to train on (the run's weights.pt is left as it is)")
             if ctx.is_main:
                 echo(f"resuming {run_dir} at step {trainer.step_count}")
         if ctx.is_main:

@@ -217,6 +217,7 @@ class Trainer:
         self.ledger = MemoryLedger(self.budget_bytes)
         self.step_count = 0
         self.checkpoint_extra: dict = {}
+        self._unusable: str | None = None  # why no step may run (closed, or a step failed half-applied)
         self._reduce: Callable[[str, list[torch.Tensor]], None] = lambda name, grads: None
         self.sharding = None  # ZeRO-1: set up below, once the blocks are known
         if process_group is not None and not shard_optimizer_state:
@@ -334,6 +335,7 @@ class Trainer:
             FloatingPointError: the loss is NaN or infinite (no update applied).
             BudgetExceeded: this batch size does not fit the budget.
         """
+        self._check_usable()
         xs = [t.to(self.device) for t in nested_tensors(x)]
         x = xs[0] if isinstance(x, torch.Tensor) else type(x)(xs)
         y = y.to(self.device)
@@ -341,12 +343,25 @@ class Trainer:
         if self._graph is None:
             with self._steps.tracing():
                 self._graph = trace_graph(self._model, x, self.blocks, param_shapes=self.param_shapes)
+            self.process_memory.open()  # the one-off trace is loading, not training: the baseline after it
         in_bytes = sum(t.numel() * t.element_size() for t in xs) + y.numel() * y.element_size()
         plan = self._plan_for(batch)
         micro = plan.micro_batch_windows if plan is not None else batch
         parts = [(a, min(batch, a + micro)) for a in range(0, batch, micro)]
         self._steps.prepare(plan, len(parts))
         self.ledger.reserve("input", in_bytes)
+        try:
+            value = self._run_parts(x, xs, y, parts, batch)
+        finally:
+            self.ledger.release("input")
+        self.step_count += 1
+        return value
+
+    def _run_parts(self, x, xs: list[torch.Tensor], y: torch.Tensor, parts: list[tuple[int, int]],
+                   batch: int) -> float:
+        """The step's (micro-)batches and their summed loss. A failure after some blocks were
+        updated makes the trainer unusable: their weights and optimizer state moved, the others'
+        did not, so no later step could be the one a complete step would give."""
         try:
             if len(parts) == 1:
                 value = self._forward_backward(x, xs, y, None, 0, 1)
@@ -356,9 +371,14 @@ class Trainer:
                     sub = [t[a:b] for t in xs]
                     value += self._forward_backward(sub[0] if isinstance(x, torch.Tensor) else type(x)(sub), sub,
                                                     y[a:b], (b - a) / batch, i, len(parts))
-        finally:
-            self.ledger.release("input")
-        self.step_count += 1
+        except BaseException as e:
+            updated = self._steps.blocks_updated()
+            if updated:
+                self._unusable = (f"step {self.step_count + 1} failed ({type(e).__name__}) after updating {updated} of "
+                                  f"{len(self.blocks)} blocks, so the weights are part old, part new")
+                e.add_note(f"edgeadapt: {self._unusable}; this trainer refuses further steps and checkpoints: "
+                           "continue from the last checkpoint (Trainer.resume, or edgeadapt train --resume)")
+            raise
         return value
 
     def _forward_backward(self, x, xs: list[torch.Tensor], y: torch.Tensor, scale: float | None, micro: int,
@@ -518,7 +538,13 @@ class Trainer:
         :attr:`checkpoint_extra` (e.g. the data position). Returns the checkpoint's folder.
 
         With ``shard_optimizer_state`` this is a collective: every rank calls it, each writes its
-        blocks with torch.distributed.checkpoint, rank 0 publishes (rank 0's ``extra`` is kept)."""
+        blocks with torch.distributed.checkpoint, rank 0 publishes (rank 0's ``extra`` is kept).
+
+        Raises:
+            RuntimeError: the trainer is closed, or a step failed after updating some blocks (its
+                state is part old, part new and is not written).
+        """
+        self._check_usable()
         if self.sharding is not None:
             return _ckpt.save_sharded(self, Path(directory), extra=extra or {}, keep=keep)
         return _ckpt.save(self, Path(directory), extra=extra or {}, keep=keep)
@@ -535,8 +561,15 @@ class Trainer:
         _ckpt.load(t, Path(directory))
         return t
 
+    def _check_usable(self) -> None:
+        if self._unusable:
+            raise RuntimeError(f"this trainer cannot run: {self._unusable}; build a new one (Trainer.resume "
+                               "continues from a checkpoint)")
+
     def close(self) -> None:
-        """Stop the prefetch thread and remove the disk tier's files."""
+        """Stop the prefetch thread and remove the disk tier's files; the trainer runs no more steps."""
+        if self._unusable is None:
+            self._unusable = "it was closed"
         self._steps.close()
         self.process_memory.close()
 

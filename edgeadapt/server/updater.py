@@ -57,6 +57,7 @@ class BlockUpdater:
         self.chunk_numel = DEFAULT_CHUNK_NUMEL
         self.overlap = UpdateOverlap.BACKWARD  # how far an update runs beside the next backward
         self.micro, self.micro_count = 0, 1
+        self.blocks_updated = 0  # final updates handed out in this step (a failed step may leave some applied)
         self._updater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgeadapt-update")
         self._pending: list[Future] = []
         # a GPU run's disk-tier update reads and writes its chunks behind its arithmetic
@@ -79,6 +80,7 @@ class BlockUpdater:
             raise ValueError(f"micro-batch {micro} of {micro_count}")
         self.micro, self.micro_count = micro, micro_count
         if micro == 0:
+            self.blocks_updated = 0
             for s in slots:
                 s.accumulated = set()
 
@@ -99,6 +101,7 @@ class BlockUpdater:
         present = [i for i, g in enumerate(grads) if g is not None]
         gl = [grads[i] for i in present]
         final = self.micro == self.micro_count - 1
+        self.blocks_updated += final
         try:
             self.reduce(slot.name, gl)
             if not self.owns(slot.index):

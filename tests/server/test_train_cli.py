@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from server_helpers import assert_same_gpt_parameters
@@ -75,6 +76,29 @@ def test_an_existing_checkpoint_needs_resume_and_resume_needs_a_checkpoint(tmp_p
     assert "pass --resume" in capsys.readouterr().err
     assert _train(tmp_path / "empty", "--steps", "2", "--resume") == 2
     assert "no checkpoint" in capsys.readouterr().err
+
+
+def test_resuming_a_run_already_at_its_steps_is_refused_and_leaves_its_weights(tmp_path, capsys):
+    assert _train(tmp_path / "run", "--steps", "2", "--offload", "host") == 0
+    before = (tmp_path / "run" / "weights.pt").read_bytes()
+    capsys.readouterr()
+    for steps in ("2", "1"):
+        assert _train(tmp_path / "run", "--steps", steps, "--offload", "host", "--resume") == 2
+        assert "is at step 2 already; give --steps above it" in capsys.readouterr().err
+    assert (tmp_path / "run" / "weights.pt").read_bytes() == before
+
+
+@pytest.mark.parametrize("option, value, message", [("--batch-size", "0", "--batch-size must be >= 1"),
+                                                    ("--checkpoint-every", "-1", "--checkpoint-every must be >= 0")])
+def test_bad_counts_are_refused(tmp_path, capsys, option, value, message):
+    assert _train(tmp_path / "run", "--steps", "1", option, value) == 2
+    assert message in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
+def test_negative_token_ids_are_named(tmp_path, capsys):
+    np.save(tmp_path / "tokens.npy", np.array([3, -1, 5] * 40))
+    assert _train(tmp_path / "run", "--steps", "1", "--data", str(tmp_path / "tokens.npy")) == 2
+    assert "token ids must be >= 0, found -1" in capsys.readouterr().err
 
 
 def test_a_budget_below_the_largest_block_is_refused_naming_the_block(tmp_path, capsys):
