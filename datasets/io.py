@@ -399,10 +399,31 @@ def load_csv(
     return dataset
 
 
+def _whole_numbers(cells: list[str]) -> np.ndarray | None:
+    """``cells`` as int64 class ids where every one is a number (``"2.0"``); ``None`` where any is
+    not a number (they are class names).
+
+    Raises:
+        ValueError: they are numbers but not all whole ones (no class ids).
+    """
+    try:
+        values = np.array(cells, dtype=np.float64)
+    except ValueError:
+        return None
+    if not np.all(np.isfinite(values) & (values == np.round(values))):
+        bad = sorted({c for c, v in zip(cells, values) if not (np.isfinite(v) and v == round(v))})
+        raise ValueError(f"labels {bad[:10]} are numbers but not whole class ids; write class ids (0, 1, ...) "
+                         "or class names")
+    return values.astype(np.int64)
+
+
 def _csv_labels(path: Path, cells: list[str], class_names: Sequence[str] | None) -> tuple[np.ndarray, tuple[str, ...]]:
     try:
         labels = np.array(cells, dtype=np.int64)
     except ValueError:
+        numeric = _whole_numbers(cells) if class_names is None else None
+        if numeric is not None:  # "1.0", "2.0": class ids a float column wrote, not names
+            return numeric, _class_names(path, class_names, numeric)
         names = tuple(class_names) if class_names is not None else tuple(sorted(set(cells)))
         unknown = sorted(set(cells) - set(names))
         if unknown:

@@ -63,7 +63,9 @@ def load_data(args: argparse.Namespace, manifest, labels: bool = True, accuracy:
         kwargs["window_length_samples"] = window_length(args, manifest)
     ds = load_dataset(path, require_labels=labels, **kwargs)
     X = check_inputs(manifest, ds.X, what=f"{path} (X)")
-    if labels and accuracy and manifest.label is None:
+    if not labels:  # label-free: the file's labels, if any, are not read
+        return X, None
+    if accuracy and manifest.label is None:
         return X, check_class_ids(ds.y, len(X), manifest.output.shape[-1], what=f"{path} (y)")
     y = ds.y if labels and manifest.label is not None else None
     return X, check_labels(manifest, y, len(X), what=f"{path} (y)")

@@ -174,7 +174,7 @@ class OrtTrainingBackend:
     def _inputs(self, x: np.ndarray, y: np.ndarray | None) -> list[np.ndarray]:
         """The data inputs as ONNX Runtime reads them (see :mod:`.arrays`); the caller holds the
         returned list until the run that reads them has returned."""
-        return [native_contiguous(a) for a in ([x, y] if self._has_labels else [x])]
+        return [native_contiguous(a) for a in ([x, y] if self._has_labels and y is not None else [x])]
 
     def train_step(self, x: np.ndarray, y: np.ndarray | None) -> tuple[float, np.ndarray]:
         self.open_training()

@@ -505,8 +505,10 @@ class Runner:
                     idx = order[b * batch_size:(b + 1) * batch_size]
                     with peaks.step():
                         loss, applied = self._backend.update_statistics(X[idx], None if y is None else y[idx])
-                    labels_known = y is not None or self.manifest.label is None
-                    if not applied or (labels_known and not math.isfinite(loss)):
+                    # a loss is checked where statistics move and labels give one (a frozen-statistics
+                    # bundle changes nothing, and the portable engine computes no loss for it)
+                    loss_checked = self.manifest.batch_statistics and (y is not None or self.manifest.label is None)
+                    if not applied or (loss_checked and not math.isfinite(loss)):
                         kept.restore(self._backend)
                         failed, self.step = self.step, start_step
                         raise NonFiniteLossError(failed, loss if not math.isfinite(loss) else float("nan"),

@@ -68,6 +68,24 @@ def test_continuous_npz_and_csv_give_the_same_windows(tmp_path):
     np.testing.assert_array_equal(from_npz.X[2], arrays["signal"][10:16].T)
 
 
+def test_csv_class_ids_written_as_floats_are_class_ids(tmp_path):
+    rows = ["subject,label,c0"] + [f"1,{'1.0' if i < 6 else '2.0'},{i}" for i in range(12)]
+    (tmp_path / "f.csv").write_text("\n".join(rows) + "\n")
+    ds = load_csv(tmp_path / "f.csv", sample_rate_hz=1, window_length_samples=4, overlap_fraction=0.0)
+    as_ints = load_csv(_ints(tmp_path, rows), sample_rate_hz=1, window_length_samples=4, overlap_fraction=0.0)
+    assert ds.y.tolist() == as_ints.y.tolist() and set(ds.y.tolist()) == {1, 2}
+    assert ds.class_names == as_ints.class_names
+    (tmp_path / "h.csv").write_text("\n".join(r.replace(",2.0,", ",2.5,") for r in rows) + "\n")
+    with pytest.raises(ValueError, match=r"labels \['2.5'\] are numbers but not whole class ids"):
+        load_csv(tmp_path / "h.csv", sample_rate_hz=1, window_length_samples=4, overlap_fraction=0.0)
+
+
+def _ints(tmp_path, rows: list[str]):
+    path = tmp_path / "i.csv"
+    path.write_text("\n".join(r.replace(".0,", ",") for r in rows) + "\n")
+    return path
+
+
 def test_csv_with_class_names_and_without_session(tmp_path):
     rows = ["subject,label,c0"] + [f"1,{'open' if i < 6 else 'close'},{i}" for i in range(12)]
     path = tmp_path / "named.csv"

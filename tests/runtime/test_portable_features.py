@@ -451,3 +451,16 @@ def _fault_injection():
     sys.modules["fault_injection"] = module
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.mark.parametrize("backend", ["portable", "ort-training"])
+def test_statistics_on_a_frozen_statistics_bundle_change_nothing_and_raise_nothing(cnn_both, backend):
+    """A frozen-statistics bundle (the export's default) with labels: the portable engine computes
+    no loss there, which is not a non-finite loss (it rolled back and blamed the learning rate)."""
+    x, y = make_data(np.random.default_rng(3), n=8)
+    runner = _load(cnn_both, backend=backend)
+    before = runner.parameters()
+    runner.update_bn_statistics(x, y, progress=False)
+    runner.adapt(x, y, lr=0.0, epochs=1, batch_size=4, progress=False)
+    after = runner.parameters()
+    assert all(np.array_equal(before[k], after[k]) for k in before)

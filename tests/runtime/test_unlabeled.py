@@ -27,7 +27,7 @@ NOISE = 0.1
 OFF = dict(stats_prior_windows=float("inf"), prototype_mix=0.0, gate=False)
 
 
-def export_toy(out, backend: str):
+def export_toy(out, backend: str, loss: str = "entropy"):
     import torch
     from torch import nn
 
@@ -51,7 +51,7 @@ def export_toy(out, backend: str):
     model.eval()
     example = torch.from_numpy(windows(AMPLITUDE * np.eye(N_CLASSES)[[0, 1]]))
     export_bundle(model, example, out, policy=UpdatePolicy.parse("bias-norm"),
-                  loss="entropy", batchnorm="batch", backend=backend)
+                  loss=loss, batchnorm="batch", backend=backend)
     return out
 
 
@@ -444,6 +444,24 @@ def test_cli_adapt_unlabeled_reads_a_file_without_labels_or_subjects(tmp_path, t
     assert main([*args, "--unlabeled", "--json"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["n_gate_windows"] + report["n_adapt_windows"] == len(X)
+
+
+@pytest.mark.parametrize("backend", ["ort-training", "portable"])
+def test_cli_adapt_unlabeled_runs_on_a_labelled_loss_bundle_and_ignores_the_labels(tmp_path, capsys, backend):
+    import json
+
+    from edgeadapt.cli import main
+
+    bundle = export_toy(tmp_path / "ce", backend, loss="cross_entropy")  # the export's default loss
+    X, y = balanced(20)
+    X[:, 2] += 1.5 * AMPLITUDE
+    np.savez(tmp_path / "unlabeled.npz", X=X.transpose(0, 2, 1))
+    for data in (tmp_path / "unlabeled.npz", _data_file(tmp_path, X, y)):
+        out = tmp_path / f"out-{data.stem}"
+        assert main(["adapt", str(bundle), "--data", str(data), "--out", str(out), "--unlabeled", "--json",
+                     "--device", "cpu"]) == 0, capsys.readouterr().err
+        report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert report["n_gate_windows"] + report["n_adapt_windows"] == len(X)
 
 
 def test_cli_prints_the_statistics_weight(tmp_path, toy_bundle, capsys):
