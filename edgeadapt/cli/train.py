@@ -46,12 +46,14 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="steps between checkpoints (default 0: only at the end)")
     p.add_argument("--hold-out-subject", type=int, default=None,
-                   help="biosignal data: leave this subject out; write 5 of its windows per class to "
-                        "held_out_adapt.npz and the others to held_out_eval.npz")
-    p.add_argument("--context-len", type=int, default=None, help="GPT: tokens per sequence (default: the preset's)")
-    p.add_argument("--n-layers", type=int, default=None, help="GPT: decoder blocks (default: the preset's)")
-    p.add_argument("--d-model", type=int, default=None, help="GPT: width (default: the preset's)")
-    p.add_argument("--vocab-size", type=int, default=None, help="GPT: vocabulary (default: the preset's)")
+                   help="biosignal models only (cnn, mobilenet, transformer; refused for GPT): leave this subject "
+                        "out; write 5 of its windows per class to held_out_adapt.npz and the others to "
+                        "held_out_eval.npz")
+    p.add_argument("--context-len", type=int, default=None,
+                   help="GPT only: tokens per sequence (default: the preset's)")
+    p.add_argument("--n-layers", type=int, default=None, help="GPT only: decoder blocks (default: the preset's)")
+    p.add_argument("--d-model", type=int, default=None, help="GPT only: width (default: the preset's)")
+    p.add_argument("--vocab-size", type=int, default=None, help="GPT only: vocabulary (default: the preset's)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--plan-only", action="store_true",
                    help="print the offload plan (tiers, recompute per block, update chunk, prefetch, micro-batches, "

@@ -29,6 +29,11 @@ from .updater import BlockUpdater
 
 __all__ = ["BlockWiring"]
 
+CLOSED_MODEL = ("this model was taken over by a Trainer that was closed (Trainer.close(), or the end of its 'with' "
+                "block), which dropped its weights, so the model cannot run any more; take a copy with "
+                "Trainer.model() (or outputs with Trainer.predict) before closing the trainer, or build the model "
+                "again and continue from a checkpoint with Trainer.resume")
+
 
 class _BlockFn(torch.autograd.Function):
     @staticmethod
@@ -55,6 +60,7 @@ class BlockWiring:
         self.resident_slots = [s for s in slots if s.resident]
         self.recompute: set[int] = set()
         self._root_hook = None
+        self._root_module: nn.Module | None = None
         self._hooks_on = True
         self._originals: dict[int, Callable] = {}
         self._ran: set[int] = set()
@@ -85,6 +91,7 @@ class BlockWiring:
                         wiring.load_resident()
 
                     self._root_hook = mod.register_forward_pre_hook(root_pre_hook)
+                    self._root_module = mod
             else:
                 mod.forward = self._make_forward(s)
 
@@ -110,6 +117,20 @@ class BlockWiring:
         if self._root_hook is not None:
             self._root_hook.remove()
             self._root_hook = None
+
+    def close(self) -> None:
+        """The trainer is closed and the blocks' weights are gone: from now on a call of the taken-over
+        model (or of one of its streamed blocks) raises ``RuntimeError`` saying so, instead of failing
+        inside the closed store; the model no longer refers to this wiring."""
+        def closed(*args, **kwargs):
+            raise RuntimeError(CLOSED_MODEL)
+
+        self.remove_root_hook()
+        if self._root_module is not None:
+            self._root_hook = self._root_module.register_forward_pre_hook(lambda module, args: closed())
+        for s in self.slots:
+            if "forward" in s.module.__dict__:
+                s.module.forward = closed
 
     # ---- the root block ---------------------------------------------------------------------
     def load_resident(self) -> None:

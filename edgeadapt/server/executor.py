@@ -167,6 +167,6 @@ class StreamingExecutor:
 
     def close(self) -> None:
         self.updater.wait()
-        self.wiring.remove_root_hook()
+        self.wiring.close()
         self.residency.close()
         self.updater.close()

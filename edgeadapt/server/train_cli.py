@@ -51,9 +51,9 @@ import torch
 from ..atomic import atomic_path, atomic_write_json
 from ..datasets import few_shot_split
 from ..interrupt import INTERRUPTED, StopAtStepBoundary
-from ..models import GPT_PRESETS, build_gpt, build_model
+from ..models import GPT_PRESETS, MODEL_NAMES, build_gpt, build_model
 from ..units import format_bytes, parse_bytes
-from .data import TokenArray, TokenStream, WindowSource, load_windows
+from .data import TokenArray, TokenStream, WindowSource, load_windows, shard_rows
 from .distributed import DistContext, broadcast_parameters, gather_rng_states, init_from_env, shutdown
 from .progress import memory_fields
 
@@ -63,19 +63,109 @@ logger = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
 HOLD_OUT_K_PER_CLASS = 5
+# the options that shape a GPT preset: (attribute, option)
+GPT_OPTIONS = (("context_len", "--context-len"), ("n_layers", "--n-layers"), ("d_model", "--d-model"),
+               ("vocab_size", "--vocab-size"))
+WINDOW_DATASETS = ("synthetic", "watch")  # biosignal --data names that are not files
+
+
+# ---- the arguments, checked before any work ---------------------------------------------
+def _check_args(args: argparse.Namespace) -> None:
+    """Refuse what is wrong in the arguments alone, before anything is built, locked or written.
+
+    Raises:
+        ValueError: a count or an optimizer setting out of range, an option that does not apply
+            to the model, data of the wrong kind for it.
+        FileNotFoundError: ``--data`` names a file that does not exist.
+        DeviceUnavailableError: ``--device cuda`` without CUDA.
+    """
+    from dataclasses import replace
+
+    from .trainer import resolve_device
+
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.checkpoint_every < 0:
+        raise ValueError(f"--checkpoint-every must be >= 0 (0: only at the end), got {args.checkpoint_every}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise ValueError(f"--lr must be a finite number > 0, got {args.lr}")
+    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
+        raise ValueError(f"--weight-decay must be a finite number >= 0, got {args.weight_decay}")
+    if getattr(args, "shard_optimizer_state", False) and args.offload == "none":
+        raise ValueError("--shard-optimizer-state (ZeRO-1) shards the streaming trainer's optimizer state: "
+                         "give --offload host or disk, or drop --shard-optimizer-state")
+    data = args.data
+    if args.model in GPT_PRESETS:
+        if args.hold_out_subject is not None:
+            raise ValueError(f"--hold-out-subject applies to the biosignal models ({', '.join(MODEL_NAMES)}), "
+                             f"whose windows carry subject ids; --model {args.model} trains on a token stream "
+                             "without subjects: drop --hold-out-subject")
+        for attr, option in GPT_OPTIONS:
+            value = getattr(args, attr)
+            if value is not None and value < 1:
+                raise ValueError(f"{option} must be >= 1, got {value}")
+        replace(GPT_PRESETS[args.model], **_gpt_overrides(args))  # the preset's own checks (n_heads | d_model)
+        if data != "synthetic" and not data.endswith(".npy"):  # TokenArray.load's rule
+            raise ValueError(f"--model {args.model} trains on tokens: give --data synthetic or a .npy of integer "
+                             f"token ids, got {data!r}")
+    else:
+        given = [option for attr, option in GPT_OPTIONS if getattr(args, attr) is not None]
+        if given:
+            raise ValueError(f"{' and '.join(given)} shape{'s' if len(given) == 1 else ''} a GPT model "
+                             f"({', '.join(GPT_PRESETS)}); --model {args.model} takes its sizes from the data: "
+                             f"drop {' and '.join(given)}")
+        if data not in WINDOW_DATASETS and Path(data).suffix.lower() not in (".npz", ".csv"):
+            raise ValueError(f"--model {args.model} trains on labelled windows: "
+                             f"give --data synthetic|watch|FILE.npz|FILE.csv, got {data!r}")
+    if data not in WINDOW_DATASETS:
+        if Path(data).is_dir():
+            raise ValueError(f"--data {data} is a directory, not a file")
+        if not Path(data).is_file():
+            raise FileNotFoundError(f"--data {data}: no such file")
+    if args.device == "cuda":
+        resolve_device("cuda")
+
+
+def _gpt_overrides(args: argparse.Namespace) -> dict[str, int]:
+    """The GPT preset's fields that the options change."""
+    return {attr: getattr(args, attr) for attr, _ in GPT_OPTIONS if getattr(args, attr) is not None}
+
+
+def _global_batch(args: argparse.Namespace) -> int:
+    """``--batch-size``, or the model kind's default (8 sequences for GPT, 64 windows otherwise)."""
+    return args.batch_size or (8 if args.model in GPT_PRESETS else 64)
+
+
+def _check_run_dir(run_dir: Path) -> None:
+    """Refuse a ``--checkpoint-dir`` that is, or lies under, something other than a directory.
+
+    Raises:
+        NotADirectoryError: ``run_dir`` or one of its parents exists and is not a directory.
+    """
+    for path in (run_dir, *run_dir.parents):
+        if not os.path.lexists(path):
+            continue
+        if path.is_dir():
+            return
+        what = "a file" if path.is_file() else "not a directory"
+        if path == run_dir:
+            raise NotADirectoryError(f"--checkpoint-dir {run_dir} is {what}, not a directory: give a directory "
+                                     "(created if missing) for the run's checkpoints, offload state and weights.pt")
+        raise NotADirectoryError(f"--checkpoint-dir {run_dir} cannot be created: {path} is {what}, not a "
+                                 "directory; choose a --checkpoint-dir under a directory")
 
 
 # ---- model and data ---------------------------------------------------------------------
 def _build(args: argparse.Namespace, ctx: DistContext) -> tuple[torch.nn.Module, Any, dict, Any]:
     """(model, data source, model spec for model.json, loss) for the arguments, seeded."""
-    batch = args.batch_size
+    batch = _global_batch(args)
     if args.model in GPT_PRESETS:
-        overrides = {k: v for k, v in (("context_len", args.context_len), ("n_layers", args.n_layers),
-                                       ("d_model", args.d_model), ("vocab_size", args.vocab_size)) if v is not None}
+        overrides = _gpt_overrides(args)
         torch.manual_seed(args.seed)
         model = build_gpt(args.model, **overrides)
         cfg = model.config
-        batch = batch or 8
         if args.data == "synthetic":
             source = TokenStream(cfg.vocab_size, cfg.context_len, batch, seed=args.seed,
                                  rank=ctx.rank, world_size=ctx.world_size)
@@ -85,9 +175,6 @@ def _build(args: argparse.Namespace, ctx: DistContext) -> tuple[torch.nn.Module,
         spec = {"factory": "edgeadapt.models:build_gpt", "kwargs": {"name": args.model, **overrides},
                 "config": cfg.to_dict()}
         return model, source, spec, "cross_entropy"     # the trainer's cross-entropy flattens tokens
-    if args.data.endswith(".npy"):
-        raise ValueError(f"--model {args.model} trains on labelled windows: "
-                         "give --data synthetic|watch|FILE.npz|FILE.csv")
     train, held_out = load_windows(args.data, hold_out_subject=args.hold_out_subject)
     if held_out is not None and ctx.is_main:
         shot = few_shot_split(held_out, args.hold_out_subject, k_per_class=HOLD_OUT_K_PER_CLASS, seed=args.seed)
@@ -101,7 +188,7 @@ def _build(args: argparse.Namespace, ctx: DistContext) -> tuple[torch.nn.Module,
               "n_time_steps": n_time_steps}
     torch.manual_seed(args.seed)
     model = build_model(**kwargs)
-    source = WindowSource(train.X, train.y, batch or 64, seed=args.seed, rank=ctx.rank, world_size=ctx.world_size)
+    source = WindowSource(train.X, train.y, batch, seed=args.seed, rank=ctx.rank, world_size=ctx.world_size)
     spec = {"factory": "edgeadapt.models:build_model", "kwargs": kwargs,
             "input_shape": [n_channels, n_time_steps]}
     return model, source, spec, "cross_entropy"
@@ -255,12 +342,7 @@ def cmd_train(args: argparse.Namespace, echo=print) -> int:
     from .store import OffloadDirError
     from .trainer import Trainer
 
-    if args.steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {args.steps}")
-    if args.batch_size is not None and args.batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.checkpoint_every < 0:
-        raise ValueError(f"--checkpoint-every must be >= 0 (0: only at the end), got {args.checkpoint_every}")
+    _check_args(args)
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
     if getattr(args, "plan_only", False):
         return _print_plan(args, budget, echo)
@@ -268,10 +350,12 @@ def cmd_train(args: argparse.Namespace, echo=print) -> int:
         raise ValueError("--checkpoint-dir is required to train (the run's checkpoints, offload state and "
                          "weights.pt go there); --plan-only prints the plan without one")
     run_dir = Path(args.checkpoint_dir)
+    _check_run_dir(run_dir)
     device_type = "cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu"
     ctx = init_from_env(device_type)
     stack = contextlib.ExitStack()
     try:
+        shard_rows(_global_batch(args), ctx.rank, ctx.world_size)  # the batch splits evenly over the ranks
         if args.resume and not _has_checkpoint(run_dir):
             raise FileNotFoundError(f"--resume: no checkpoint in {run_dir / CHECKPOINTS}; run without --resume first")
         if not args.resume and _has_checkpoint(run_dir):
@@ -413,7 +497,7 @@ def _train_loop(trainer, source, args: argparse.Namespace, run_dir: Path, run_co
     elapsed_s = time.perf_counter() - t0
     _save_checkpoint(trainer, run_dir, run_config, ctx)
     if not ctx.is_main:
-        return
+        return 0
     weights = _save_weights(trainer.model(), run_dir, spec)
     echo(f"done: step {args.steps}, loss {loss_value:.4f}, {items / max(elapsed_s, 1e-9):,.0f} {source.unit}/s, "
          f"tracked peak {format_bytes(trainer.tracked_peak_bytes)}"

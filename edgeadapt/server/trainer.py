@@ -218,6 +218,7 @@ class Trainer:
         self.step_count = 0
         self.checkpoint_extra: dict = {}
         self._unusable: str | None = None  # why no step may run (closed, or a step failed half-applied)
+        self._closed = False  # close() dropped the state: nothing that reads it may run
         self._reduce: Callable[[str, list[torch.Tensor]], None] = lambda name, grads: None
         self.sharding = None  # ZeRO-1: set up below, once the blocks are known
         if process_group is not None and not shard_optimizer_state:
@@ -420,7 +421,12 @@ class Trainer:
     def predict(self, x) -> torch.Tensor:
         """The model's output for ``x`` with the current weights, streamed block by block (no
         gradient, no update; BatchNorm in eval mode, dropout off). The whole model is never
-        gathered, unlike :meth:`model`."""
+        gathered, unlike :meth:`model`.
+
+        Raises:
+            RuntimeError: the trainer is closed.
+        """
+        self._check_open("predict")
         xs = [t.to(self.device) for t in nested_tensors(x)]
         self._model.eval()
         self.ledger.reserve("input", sum(t.numel() * t.element_size() for t in xs))
@@ -479,10 +485,12 @@ class Trainer:
         """``{kind: {param name: CPU tensor}}`` for block ``index`` (kinds: param + optimizer state),
         plus ``"steps": {param name: tensor(int)}``. With ``shard_optimizer_state`` a block another
         rank owns has ``param`` and ``steps`` only."""
+        self._check_open("read a block's state")
         return self._steps.block_state(index)
 
     def set_block_state(self, index: int, state: dict[str, dict[str, torch.Tensor]]) -> None:
         """Inverse of :meth:`block_state` (optimizer state of a block another rank owns is skipped)."""
+        self._check_open("set a block's state")
         self._steps.set_block_state(index, state)
 
     def buffers(self) -> dict[str, torch.Tensor]:
@@ -490,7 +498,12 @@ class Trainer:
         return {n: b.detach().cpu().clone() for n, b in self._model.named_buffers()}
 
     def model(self) -> nn.Module:
-        """A CPU copy of the model with the current weights and buffers (an ordinary module)."""
+        """A CPU copy of the model with the current weights and buffers (an ordinary module).
+
+        Raises:
+            RuntimeError: the trainer is closed (take the copy before :meth:`close`).
+        """
+        self._check_open("return the model")
         return self._steps.model_copy()
 
     def signature(self) -> dict:
@@ -507,7 +520,9 @@ class Trainer:
         Raises:
             ValueError: with ``shard_optimizer_state`` (this process holds part of the optimizer
                 state; use :meth:`save_checkpoint`, which writes every rank's share).
+            RuntimeError: the trainer is closed.
         """
+        self._check_open("return its state")
         if self.sharding is not None:
             raise ValueError("state_dict() holds the whole optimizer state, which a ZeRO-1 rank does not have; "
                              "use save_checkpoint(dir) (every rank calls it; each writes its share)")
@@ -517,7 +532,8 @@ class Trainer:
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
-        """Restore :meth:`state_dict` output; refuses another model or configuration."""
+        """Restore :meth:`state_dict` output; refuses another model or configuration (and a closed trainer)."""
+        self._check_open("load a state")
         _ckpt.check_signature(sd["signature"], self.signature())
         for i, bs in enumerate(sd["blocks"]):
             self.set_block_state(i, bs)
@@ -562,16 +578,32 @@ class Trainer:
         return t
 
     def _check_usable(self) -> None:
+        """Refuse a step or a checkpoint: the trainer is closed, or a step failed half-applied."""
         if self._unusable:
             raise RuntimeError(f"this trainer cannot run: {self._unusable}; build a new one (Trainer.resume "
                                "continues from a checkpoint)")
 
+    def _check_open(self, what: str) -> None:
+        """Refuse what reads or writes the trainer's state (weights, optimizer state) once it is closed."""
+        if self._closed:
+            raise RuntimeError(f"this trainer cannot {what}: it was closed (Trainer.close(), or the end of its "
+                               "'with' block) and released its state; take what you need (Trainer.model(), "
+                               "Trainer.predict(), save_checkpoint) before closing it, or build a new one "
+                               "(Trainer.resume continues from a checkpoint)")
+
     def close(self) -> None:
-        """Stop the prefetch thread and remove the disk tier's files; the trainer runs no more steps."""
+        """Stop the prefetch thread and remove the disk tier's files; the trainer runs no more steps,
+        and :meth:`model`, :meth:`predict` and the state accessors raise ``RuntimeError`` (so does a
+        call of the taken-over model with offload: its weights are gone). A second call does nothing."""
         if self._unusable is None:
             self._unusable = "it was closed"
-        self._steps.close()
-        self.process_memory.close()
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._steps.close()
+        finally:
+            self.process_memory.close()
 
     def __enter__(self) -> Trainer:
         return self

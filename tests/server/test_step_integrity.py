@@ -93,6 +93,25 @@ def test_a_closed_trainer_says_so(offload, tmp_path):
         t.save_checkpoint(tmp_path / "ckpt")
 
 
+@pytest.mark.parametrize("offload", ["host", "disk", None])
+def test_a_closed_trainer_refuses_its_model_and_predict_and_the_taken_over_model_says_why(offload, tmp_path):
+    x, y = batches("mlp", 1)[0]
+    model = make_mlp(depth=2)
+    with Trainer(model, offload=offload, offload_dir=tmp_path / "s", device="cpu", example_input=x) as t:
+        t.step(x, y)
+    t.close()  # a second close (after the with block's) does nothing
+    for call in (t.model, lambda: t.predict(x), t.state_dict, lambda: t.block_state(0)):
+        with pytest.raises(RuntimeError, match="cannot .*: it was closed .*before closing it"):
+            call()
+    if offload is None:  # trained in place: the model is the caller's ordinary module
+        model(x)
+        return
+    for grad in (False, True):  # its weights went with the trainer: a clear error, not one from the closed store
+        with torch.set_grad_enabled(grad), pytest.raises(RuntimeError, match="taken over by a Trainer that was "
+                                                                             "closed.*Trainer.model"):
+            model(x)
+
+
 def test_the_process_baseline_is_taken_after_a_lazy_trace(monkeypatch):
     import edgeadapt.server.trainer as trainer_module
 

@@ -95,6 +95,57 @@ def test_bad_counts_are_refused(tmp_path, capsys, option, value, message):
     assert message in capsys.readouterr().err and not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("extra, message", [
+    (["--lr", "0"], "--lr must be a finite number > 0"),
+    (["--weight-decay", "-1"], "--weight-decay must be a finite number >= 0"),
+    (["--shard-optimizer-state", "--offload", "none"], "--shard-optimizer-state (ZeRO-1) shards"),
+    (["--context-len", "0"], "--context-len must be >= 1"),
+    (["--data", "missing.npy"], "--data missing.npy: no such file"),
+    (["--data", "watch"], "--model gpt-nano trains on tokens: give --data synthetic or a .npy"),
+])
+def test_bad_options_are_refused_before_anything_is_built_or_written(tmp_path, capsys, monkeypatch, extra, message):
+    monkeypatch.chdir(tmp_path)
+    assert _train(tmp_path / "run", "--steps", "1", *extra) == 2
+    assert message in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
+def test_hold_out_subject_is_refused_for_gpt_models_naming_the_models_it_applies_to(tmp_path, capsys):
+    for extra in ([], ["--plan-only"]):
+        assert _train(tmp_path / "run", "--steps", "1", "--hold-out-subject", "3", *extra) == 2
+        err = capsys.readouterr().err
+        assert "--hold-out-subject applies to the biosignal models (cnn, mobilenet, transformer)" in err
+        assert "drop --hold-out-subject" in err and not (tmp_path / "run").exists()
+
+
+def test_gpt_size_options_are_refused_for_biosignal_models(tmp_path, capsys):
+    assert main(["train", "--model", "cnn", "--steps", "1", "--context-len", "32", "--n-layers", "2",
+                 "--checkpoint-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "--context-len and --n-layers shape a GPT model (gpt-nano" in err and "--model cnn" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_checkpoint_dir_that_is_a_file_is_named_as_such(tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a run")
+    assert _train(a_file, "--steps", "1") == 2
+    err = capsys.readouterr().err
+    assert f"--checkpoint-dir {a_file} is a file, not a directory" in err and "Errno" not in err
+    assert _train(a_file / "run", "--steps", "1") == 2
+    err = capsys.readouterr().err
+    assert f"{a_file} is a file, not a directory" in err and "Errno" not in err
+    assert a_file.read_text() == "not a run"
+
+
+def test_a_batch_that_does_not_split_over_the_ranks_is_refused_before_the_run_directory(tmp_path, capsys,
+                                                                                         monkeypatch):
+    import edgeadapt.server.train_cli as train_cli
+
+    monkeypatch.setattr(train_cli, "init_from_env", lambda device_type: train_cli.DistContext(world_size=3))
+    assert _train(tmp_path / "run", "--steps", "1") == 2  # --batch-size 4 over 3 ranks
+    assert "does not split evenly over 3" in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
 def test_negative_token_ids_are_named(tmp_path, capsys):
     np.save(tmp_path / "tokens.npy", np.array([3, -1, 5] * 40))
     assert _train(tmp_path / "run", "--steps", "1", "--data", str(tmp_path / "tokens.npy")) == 2
