@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import inspect
 import logging
 import os
 import re
@@ -57,6 +58,28 @@ ORT_TRAINING_FILES = {"training_model": "training_model.onnx", "eval_model": "ev
                       "optimizer_model": "optimizer_model.onnx", "checkpoint": "checkpoint"}
 # export_bundle(backend=...): "auto" = both where onnxruntime.training is importable, else portable.
 BACKEND_CHOICES = ("auto", "portable", "ort-training", "both")
+
+
+#: What a bundle's model input can be (:func:`_check_one_input`).
+_ONE_INPUT = ("the exporter supports models with one input: a float32 tensor of shape (batch, ...), e.g. "
+              "(batch, channels, time steps)")
+
+
+def _check_one_input(model: nn.Module, example_input: object) -> None:
+    """Refuse more than one input before any work: an example given as several tensors, or a
+    model whose ``forward`` needs more than one argument (a bundle has one input, ``input``)."""
+    fix = ("combine the inputs into one tensor (e.g. concatenate them along the channel axis) and split it "
+           "inside forward, or wrap the model in a module whose forward(x) takes that one tensor")
+    if isinstance(example_input, (tuple, list)):
+        raise ValueError(f"example_input holds {len(example_input)} inputs; {_ONE_INPUT}: {fix}")
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (AttributeError, TypeError, ValueError):  # no signature to read: the call below tells
+        return
+    needed = [p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if len(needed) > 1:
+        raise ValueError(f"{type(model).__name__}.forward takes {len(needed)} inputs ({', '.join(needed)}); "
+                         f"{_ONE_INPUT}: {fix}")
 
 
 def _label_spec(loss: str, output_shape: tuple[int, ...]) -> dict | None:
@@ -349,7 +372,8 @@ def export_bundle(
 
     Raises:
         UnsupportedOpError: an op cannot be exported or differentiated (names op and module).
-        ValueError: bad arguments, with the fix in the message.
+        ValueError: bad arguments (a model whose forward takes more than one input among them),
+            with the fix in the message.
         FileExistsError: ``out_dir`` exists.
         edgeadapt.sched.NoFeasiblePlan: no plan fits ``memory_budget``; names the smallest budget
             that would.
@@ -360,6 +384,7 @@ def export_bundle(
     opt = OptimizerConfig(optimizer) if isinstance(optimizer, str) else optimizer
     if loss not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
+    _check_one_input(model, example_input)
     if not isinstance(example_input, torch.Tensor) or example_input.dtype != torch.float32 or example_input.dim() < 2:
         raise ValueError("example_input must be a float32 torch.Tensor of shape (batch, ...)")
     if Path(out_dir).exists():
@@ -378,8 +403,12 @@ def _export(model: nn.Module, example_input: torch.Tensor, out_dir: str | Path, 
             stages: Stages, backends: tuple[str, ...], auto: bool = False) -> Manifest:
     """:func:`export_bundle` once its arguments are checked, reporting :data:`EXPORT_STAGES` to ``stages``."""
     stages.start(EXPORT_STAGES[0])
-    with torch.no_grad():
-        reference = copy.deepcopy(model).eval()(example_input)  # never flip the caller's mode
+    try:
+        with torch.no_grad():
+            reference = copy.deepcopy(model).eval()(example_input)  # never flip the caller's mode
+    except TypeError as e:  # e.g. forward(*inputs) wanting two
+        raise ValueError(f"calling the model on the example input (one tensor of shape {list(example_input.shape)}) "
+                         f"raised TypeError: {e}; if it takes more than one input: {_ONE_INPUT}") from e
     if not isinstance(reference, torch.Tensor):
         raise ValueError("the model must return a single tensor (logits or regression output)")
     label = _label_spec(loss, tuple(reference.shape))

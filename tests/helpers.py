@@ -60,6 +60,22 @@ def make_cnn(seed: int = 0, n_channels: int = 4, n_classes: int = 3):
     return as_if_pretrained(CNN()).eval()
 
 
+def make_two_input_model(n_channels: int = 4, n_classes: int = 3):
+    """A model whose forward takes two tensors (signal and a per-channel offset): no bundle can
+    take it (export refuses it)."""
+    from torch import nn
+
+    class TwoInputs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(n_channels, n_classes)
+
+        def forward(self, x, offset):
+            return self.head((x + offset).mean(-1))
+
+    return TwoInputs()
+
+
 def make_transformer(seed: int = 0, n_channels: int = 4, n_classes: int = 3, dim: int = 16, heads: int = 2):
     """One pre-norm encoder layer: patch embedding, softmax attention, GELU MLP, dropout."""
     import torch

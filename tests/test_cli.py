@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import run_python
 
-from edgeadapt.cli import build_parser
+from edgeadapt.cli import build_parser, main
 from edgeadapt.datasets import WindowDataset
 
 SUBCOMMANDS = ("export", "inspect", "adapt", "evaluate", "export-inference", "quickstart", "train", "plan")
@@ -101,6 +101,29 @@ def test_errors_are_one_clear_line(tmp_path, cnn_bundle, rng):
 
     proc = cli("export", "no_such_module_xyz:f", "--input-shape", "4,16", "--out", str(tmp_path / "b"))
     assert proc.returncode != 0 and "no_such_module_xyz" in proc.stderr
+
+
+def test_export_of_a_two_input_model_is_one_clear_line(tmp_path, capsys):
+    code = main(["export", "helpers:make_two_input_model", "--input-shape", "4,16", "--out", str(tmp_path / "b"),
+                 "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and err.count("\n") == 1, err
+    assert err.startswith("error: TwoInputs.forward takes 2 inputs (x, offset); the exporter supports models "
+                          "with one input: a float32 tensor of shape (batch, ...)")
+    assert not (tmp_path / "b").exists()
+
+
+def test_adapt_json_prints_the_labelled_result_alone_on_stdout(tmp_path, cnn_bundle, rng, capsys):
+    X = rng.standard_normal((12, 16, 4)).astype(np.float32)
+    np.savez(tmp_path / "d.npz", X=X, y=np.arange(12) % 3, subject=np.zeros(12, dtype=np.int64))
+    out = tmp_path / "o"
+    assert main(["adapt", str(cnn_bundle), "--data", str(tmp_path / "d.npz"), "--out", str(out), "--epochs", "2",
+                 "--batch-size", "4", "--no-progress", "--json", "--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)  # the JSON alone: the progress line went to stderr
+    assert result["epochs"] == 2 and result["steps"] == 6 and len(result["epoch_losses"]) == 2
+    assert result["saved_to"] == str(out) and (out / "manifest.json").is_file()
+    assert "adapting on cpu: 12 windows" in captured.err
 
 
 def test_adapt_with_diverging_loss_saves_last_good_state_and_exits_3(tmp_path, cnn_bundle, rng):

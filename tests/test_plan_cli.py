@@ -14,6 +14,8 @@ from edgeadapt.bundle import read_manifest
 from edgeadapt.cli import main
 from edgeadapt.export import Rule, UpdatePolicy, export_bundle
 from edgeadapt.cli.plan import draw_timeline, plan_report
+from edgeadapt.runtime.call_plan import CallPlan
+from edgeadapt.sched import BudgetExceeded
 
 EXAMPLE = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(0))
 PHASES = ("session", "features", "rollback", "forward", "backward", "optimizer")
@@ -53,6 +55,50 @@ def test_plan_for_another_window_count_predicts_again(planned_bundle):
     small, large = (plan_report(planned_bundle, n_windows=n) for n in (10, 400))
     assert small["cut"]["feature_cache_bytes"] < large["cut"]["feature_cache_bytes"]
     assert small["predicted_now"]["peak_bytes"] < large["predicted_now"]["peak_bytes"]
+
+
+@pytest.fixture(scope="module")
+def budget_bundle(tmp_path_factory):
+    """A 2 MiB budget for 40 windows, the head trained behind a cached prefix: the feature cache
+    grows with the windows, past the budget at tens of thousands of them."""
+    out = tmp_path_factory.mktemp("plan") / "budget"
+    export_bundle(make_cnn(), EXAMPLE, out, policy=UpdatePolicy(rules=(Rule("head", "full"),)), memory_budget="2MiB",
+                  n_windows=40, batch_windows=8)
+    return out
+
+
+def test_plan_for_more_windows_than_the_budget_allows_says_so_and_exits_2(budget_bundle, capsys):
+    assert main(["plan", str(budget_bundle), "--n-windows", "200"]) == 0
+    assert "OVER BUDGET" not in capsys.readouterr().out
+    assert main(["plan", str(budget_bundle), "--n-windows", "100000", "--json"]) == 2
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["within_budget"] is False and report["need_bytes"] > report["budget_bytes"] == 2 * 2**20
+    assert captured.err.startswith(f"error: plan needs {report['need_bytes']} bytes")
+    assert "an adapt call over 100000 windows would be refused before any work" in captured.err
+    assert main(["plan", str(budget_bundle), "--n-windows", "100000"]) == 2
+    assert "OVER BUDGET  an adapt call over 100000 windows needs at least" in capsys.readouterr().out
+
+
+def test_plan_agrees_with_the_adapt_call_on_what_fits(budget_bundle):
+    """Around the window count where the plan's micro-batch leaves the budget: the report's verdict
+    and micro-batch are the adapt call's (a smaller micro-batch chosen again, or refused)."""
+    call = CallPlan(read_manifest(budget_bundle), "ort-training")
+    base = plan_report(budget_bundle)
+    crossing = 40 + (base["budget_bytes"] - base["predicted_now"]["peak_bytes"]) // base["cut"][
+        "features_bytes_per_window"]
+    seen = set()
+    for n in (crossing - 100, crossing + 50, crossing + 200, crossing + 400, crossing + 800, crossing + 1600):
+        report = plan_report(budget_bundle, n_windows=n)
+        try:
+            micro = call.micro_batch(n, 8, 8, explicit=False, fixed=False)
+        except BudgetExceeded as e:
+            assert report["within_budget"] is False and report["need_bytes"] == e.need_bytes, n
+            seen.add("refused")
+        else:
+            assert report["within_budget"] is True and report["micro_batch_windows"] == micro, n
+            seen.add("replanned" if report["replanned"] else "as planned")
+    assert seen == {"as planned", "replanned", "refused"}
 
 
 def test_measure_runs_a_torch_free_adapt_and_draws_the_timeline(planned_bundle, tmp_path, capsys):

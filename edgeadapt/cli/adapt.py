@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from dataclasses import asdict
 
 from ..interrupt import INTERRUPTED
 from .common import add_data, add_device, load_data
@@ -28,6 +30,8 @@ def _adapt(args: argparse.Namespace) -> int:
         check_learning_rate(args.lr, "--lr")
     if args.epochs < 1 or args.batch_size < 1:
         raise ValueError(f"--epochs and --batch-size must be >= 1, got {args.epochs} and {args.batch_size}")
+    if args.seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {args.seed}")
     from .unlabeled import check_unlabeled_arguments, run_unlabeled
 
     check_unlabeled_arguments(args)
@@ -36,7 +40,8 @@ def _adapt(args: argparse.Namespace) -> int:
     runner.check_save_target(args.out)  # refused now, not after training
     if args.unlabeled:
         return run_unlabeled(args, runner, X)
-    print(f"adapting on {runner.device}: {len(X)} windows, {args.epochs} epochs, batch {args.batch_size}")
+    print(f"adapting on {runner.device}: {len(X)} windows, {args.epochs} epochs, batch {args.batch_size}",
+          file=sys.stderr if args.json else sys.stdout)  # --json: stdout holds the JSON alone
     try:
         result = runner.adapt(X, y, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                               schedule=args.schedule, seed=args.seed, progress=not args.no_progress)
@@ -53,6 +58,9 @@ def _adapt(args: argparse.Namespace) -> int:
                   file=sys.stderr)
         return INTERRUPTED
     out = runner.save(args.out)
+    if args.json:
+        print(json.dumps({**asdict(result), "saved_to": str(out)}))
+        return 0
     losses = ", ".join(f"{v:.4f}" for v in result.epoch_losses)
     print(f"done: {result.steps} steps in {result.time_s:.1f} s; epoch losses {losses}; saved to {out}")
     return 0

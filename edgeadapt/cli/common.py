@@ -50,18 +50,21 @@ def load_data(args: argparse.Namespace, manifest, labels: bool = True, accuracy:
     the bundle's window length. ``labels=False``: the file may hold none, and ``y`` is ``None``;
     ``accuracy``: a label-free bundle gets the file's class ids too (for the accuracy)."""
     from ..datasets import load_dataset
+    from ..datasets.window_dataset import FORMAT_KEY
     from ..runtime.validate import check_class_ids, check_inputs, check_labels
 
     if args.sample_rate_hz is not None and not (args.sample_rate_hz > 0 and args.sample_rate_hz < float("inf")):
         raise ValueError(f"--sample-rate-hz must be a positive number, got {args.sample_rate_hz}")
     path = Path(args.data)
     kwargs = {"sample_rate_hz": args.sample_rate_hz} if args.sample_rate_hz else {}
-    continuous = path.suffix.lower() == ".csv" or (
-        path.suffix.lower() == ".npz" and path.is_file() and zipfile.is_zipfile(path)
-        and "signal.npy" in zipfile.ZipFile(path).namelist())
+    members = (zipfile.ZipFile(path).namelist() if path.suffix.lower() == ".npz" and path.is_file()
+               and zipfile.is_zipfile(path) else [])
+    continuous = path.suffix.lower() == ".csv" or "signal.npy" in members
     if continuous:
         kwargs["window_length_samples"] = window_length(args, manifest)
     ds = load_dataset(path, require_labels=labels, **kwargs)
+    if "X.npy" in members and f"{FORMAT_KEY}.npy" not in members:  # stored time-first, transposed on loading
+        check_stored_windows(manifest, ds.X, path)
     X = check_inputs(manifest, ds.X, what=f"{path} (X)")
     if not labels:  # label-free: the file's labels, if any, are not read
         return X, None
@@ -69,6 +72,26 @@ def load_data(args: argparse.Namespace, manifest, labels: bool = True, accuracy:
         return X, check_class_ids(ds.y, len(X), manifest.output.shape[-1], what=f"{path} (y)")
     y = ds.y if labels and manifest.label is not None else None
     return X, check_labels(manifest, y, len(X), what=f"{path} (y)")
+
+
+def check_stored_windows(manifest, X, path: Path) -> None:
+    """Refuse windows of the wrong shape in the terms of the ``.npz`` file they came from: ``X``
+    as loaded (windows, channels, time steps) was stored (windows, time steps, channels). The
+    message names the bundle's shape, the stored one, and the transpose when that is the fix."""
+    from ..runtime.errors import InputError
+    from ..runtime.validate import describe_axes
+
+    want = manifest.input.shape
+    if len(want) != 3 or X.ndim != 3 or all(w is None or w == g for w, g in zip(want[1:], X.shape[1:])):
+        return  # fits (or not a 1-D signal bundle: check_inputs tells)
+    channels, steps = want[1:]
+    stored = [X.shape[0], X.shape[2], X.shape[1]]
+    needed = [X.shape[0], "time steps" if steps is None else steps, "channels" if channels is None else channels]
+    swapped = all(w is None or w == g for w, g in zip((channels, steps), stored[1:]))
+    fix = ("it looks channels-first: save it transposed, np.savez(..., X=X.transpose(0, 2, 1))" if swapped
+           else "window and transpose the data to match")
+    raise InputError(f"{path}: X has shape {stored}, but a .npz file stores windows as (windows, time steps, "
+                     f"channels) and this bundle takes {describe_axes(want)}, so X must be stored as {needed}; {fix}")
 
 
 def printable(text: str, keep: str = "") -> str:

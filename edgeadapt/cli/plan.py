@@ -7,7 +7,9 @@ adapt call of the planned size (``n_windows`` synthetic windows, one epoch, the 
 in a fresh process where torch cannot be imported and prints the measured peak over the loaded
 runner next to the prediction, twice: total resident memory (VmHWM delta) and anonymous memory
 only (sampled RssAnon). ``--png`` draws the predicted phases and the measured timeline
-(matplotlib, imported only then).
+(matplotlib, imported only then). A report for more windows than the bundle's budget allows
+(even with the micro-batch chosen again, as an adapt call would) says so and exits 2 with the
+error that adapt call would give.
 
 Torch-free: the sched planner, the bundle format and (for ``--measure``) the runner.
 """
@@ -22,8 +24,8 @@ from typing import Any
 
 from ..units import format_bytes
 
-__all__ = ["plan_report", "format_report", "measure_adapt", "label_free_report", "format_label_free",
-           "measure_label_free", "draw_timeline", "cmd_plan", "add_plan_parser"]
+__all__ = ["plan_report", "format_report", "over_budget_error", "measure_adapt", "label_free_report",
+           "format_label_free", "measure_label_free", "draw_timeline", "cmd_plan", "add_plan_parser"]
 
 
 # ---- the report ---------------------------------------------------------------------------
@@ -53,6 +55,12 @@ def plan_report(bundle_dir: str | os.PathLike, *, n_windows: int | None = None,
         n_windows, batch_windows: report the plan for another window count or batch (the
             prediction is made again; the stored one is for the exported plan).
 
+    The report holds ``within_budget`` (``None`` without a budget or a prediction): a plan
+    predicted over the bundle's budget gets its micro-batch chosen again, as an adapt call does
+    (:mod:`edgeadapt.runtime.call_plan`; ``replanned``); ``False`` when even that is over, with
+    ``need_bytes``, the smallest budget that would fit (an adapt call over that many windows is
+    refused before any work).
+
     Raises:
         BundleError: not a bundle, damaged, or a bundle exported without a plan.
     """
@@ -77,11 +85,14 @@ def plan_report(bundle_dir: str | os.PathLike, *, n_windows: int | None = None,
     recomputed = list(plan.recomputed)
     stored = plan.predicted
     cost = None
+    fit = {"within_budget": None, "replanned": False, "need_bytes": None}
     try:
         from ..sched import CostModel, predict
 
         cost = CostModel.bounding(manifest.backends)  # the constants the bundle was planned with
         repredicted = predict(graph, plan, cost).to_dict()
+        if plan.budget_bytes is not None:
+            plan, repredicted, fit = _fit_budget(graph, plan, cost, repredicted, manifest.batch_statistics)
     except ImportError:  # a planner without predict(): report what the exporter stored
         repredicted = None
     try:
@@ -106,7 +117,39 @@ def plan_report(bundle_dir: str | os.PathLike, *, n_windows: int | None = None,
         "predicted_now": repredicted,
         "predicted_timeline": events,
         "policy": plan.policy,
+        **fit,
     }
+
+
+def _fit_budget(graph, plan, cost, peak: dict, fixed: bool) -> tuple[Any, dict, dict]:
+    """``plan`` and its ``peak`` as an adapt call runs them under the plan's budget
+    (:class:`~edgeadapt.runtime.call_plan.CallPlan`): over the budget, the micro-batch is chosen
+    again (:func:`edgeadapt.sched.replan`), unless batch statistics fix it (``fixed``); with the
+    report's ``within_budget``, ``replanned`` and ``need_bytes``."""
+    from ..sched import NoFeasiblePlan, predict, replan
+
+    if peak["peak_bytes"] <= plan.budget_bytes:
+        return plan, peak, {"within_budget": True, "replanned": False, "need_bytes": None}
+    need = peak["peak_bytes"]
+    if not fixed:
+        try:
+            again = replan(graph, plan, plan.n_windows, cost=cost)
+            return again, predict(graph, again, cost).to_dict(), {"within_budget": True, "replanned": True,
+                                                                  "need_bytes": None}
+        except NoFeasiblePlan as e:
+            need = e.need_bytes
+    return plan, peak, {"within_budget": False, "replanned": False, "need_bytes": need}
+
+
+def over_budget_error(r: dict[str, Any]):
+    """The :class:`~edgeadapt.sched.BudgetExceeded` an adapt call of report ``r``'s size would
+    raise (``r["within_budget"]`` is False), with the fix."""
+    from ..sched import BudgetExceeded
+
+    return BudgetExceeded(
+        r["need_bytes"], r["budget_bytes"], r["predicted_now"]["where"],
+        detail=f"an adapt call over {r['n_windows']} windows would be refused before any work; adapt on fewer "
+               "windows, or re-export with a --memory-budget of at least that")
 
 
 def _phase_lines(peak: dict) -> list[str]:
@@ -147,6 +190,13 @@ def format_report(r: dict[str, Any], measured: dict[str, Any] | None = None) -> 
     else:
         out.append(f"budget       {budget}; predicted peak of a whole adapt call {format_bytes(peak['peak_bytes'])} "
                    f"at {peak['where']}")
+        if r.get("replanned"):
+            out.append(f"             over the budget with the plan's micro-batch: chosen again for "
+                       f"{r['n_windows']} windows, as adapt does")
+        if r.get("within_budget") is False:
+            out.append(f"OVER BUDGET  an adapt call over {r['n_windows']} windows needs at least "
+                       f"{format_bytes(r['need_bytes'])}, {format_bytes(r['need_bytes'] - r['budget_bytes'])} over "
+                       f"the budget: it would be refused; adapt on fewer windows or re-export with a larger budget")
         out.append("predicted peak per phase (everything alive at that point):")
         out.extend(_phase_lines(peak))
     if measured is not None:
@@ -311,6 +361,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return _plan_label_free(args)
     report = plan_report(args.bundle, n_windows=args.n_windows, batch_windows=args.batch_windows)
     measured = None
+    if report["within_budget"] is False:  # the report, then the error (exit 2) an adapt call would give
+        print(json.dumps({**report, "measured": None}, indent=2) if args.json else format_report(report))
+        raise over_budget_error(report)
     if args.measure:
         measured = measure_adapt(args.bundle, n_windows=args.n_windows, batch_windows=args.batch_windows,
                                  device=args.device, threads=args.threads)

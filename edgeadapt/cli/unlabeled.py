@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict
 
 import numpy as np
@@ -18,14 +19,16 @@ __all__ = ["add_unlabeled_arguments", "check_unlabeled_arguments", "run_unlabele
 
 
 def add_unlabeled_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``adapt`` options of label-free adaptation."""
+    """The ``adapt`` options of label-free adaptation (and ``--json``, which both kinds take)."""
     p.add_argument("--unlabeled", action="store_true",
                    help="safe label-free adaptation (labels ignored): BatchNorm statistics moved as far as "
                         "the evidence of a shift supports, prototype head, "
                         "resets on collapse, a gate that returns to the source model when adaptation looks harmful")
     p.add_argument("--stream-batch", type=int, default=None, metavar="N",
                    help="with --unlabeled: feed the data as a stream of N-window batches (online, memory bounded)")
-    p.add_argument("--json", action="store_true", help="with --unlabeled: print the result as JSON")
+    p.add_argument("--json", action="store_true",
+                   help="print the result as JSON, alone on stdout (AdaptResult, or with --unlabeled "
+                        "UnlabeledResult; and saved_to)")
 
 
 def check_unlabeled_arguments(args: argparse.Namespace) -> None:
@@ -41,12 +44,13 @@ def run_unlabeled(args: argparse.Namespace, runner, X: np.ndarray) -> int:
     from ..runtime.unlabeled import UnlabeledSettings
 
     settings = UnlabeledSettings(seed=args.seed)
+    where = sys.stderr if args.json else sys.stdout  # --json: stdout holds the JSON alone
     if args.stream_batch is None:
-        print(f"adapting label-free on {runner.device}: {len(X)} windows")
+        print(f"adapting label-free on {runner.device}: {len(X)} windows", file=where)
         result = runner.adapt_unlabeled(X, settings)
     else:
         n = args.stream_batch
-        print(f"adapting label-free on {runner.device}: a stream of {len(X)} windows in batches of {n}")
+        print(f"adapting label-free on {runner.device}: a stream of {len(X)} windows in batches of {n}", file=where)
         result = runner.adapt_stream((X[i:i + n] for i in range(0, len(X), n)), settings)
     out = runner.save(args.out)
     if args.json:

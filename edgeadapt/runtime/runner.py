@@ -43,7 +43,7 @@ from .peaks import AdaptPeaks
 from .rollback import EpochValues
 from .features import PrefixModel, merge_inference, open_prefix, suffix_inputs
 from ..onnx_guard import MAX_ABS_VALUE, check_bundle_models, check_checkpoint_values
-from .validate import check_class_ids, check_inputs, check_labels, check_learning_rate
+from .validate import check_class_ids, check_inputs, check_int, check_labels, check_learning_rate
 from .arrays import Rows
 from .unlabeled import adapt_stream, adapt_unlabeled
 
@@ -70,6 +70,12 @@ def _progress_bar(progress: bool, **kwargs):
     return AdaptBar(leave=False, **kwargs) if progress else _NoBar()
 
 SCHEDULES = ("constant", "cosine")
+
+
+def _check_counts(epochs: object, batch_size: object, seed: object) -> tuple[int, int, int]:
+    """``epochs`` and ``batch_size`` as positive ints and ``seed`` as an int >= 0 (what
+    :func:`numpy.random.default_rng` takes); :class:`InputError` naming the first that is not."""
+    return check_int(epochs, "epochs"), check_int(batch_size, "batch_size"), check_int(seed, "seed", minimum=0)
 
 
 @dataclass(frozen=True)
@@ -115,6 +121,26 @@ class EvalResult:
     n_windows: int
 
 
+def _check_creatable(out: Path) -> None:
+    """Refuse a new directory ``out`` that :meth:`Runner.save` could not make: the nearest of its
+    folders that exists (the missing ones are made, and the bundle is staged beside ``out``) is
+    not a directory, or not writable."""
+    ancestor = out.parent
+    while not os.path.lexists(ancestor) and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise NotADirectoryError(f"cannot create {out}: {ancestor} exists and is not a directory; "
+                                 "choose an output directory elsewhere")
+    _check_writable(ancestor, out)
+
+
+def _check_writable(directory: Path, out: Path) -> None:
+    """Refuse to save ``out`` when this process cannot write in ``directory``."""
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise PermissionError(f"cannot write {out}: {directory} is not writable by this user (or read-only); "
+                              "choose an output directory you can write to")
+
+
 class Runner:
     """On-device adaptation of one bundle. Create it with :meth:`Runner.load`."""
 
@@ -147,7 +173,7 @@ class Runner:
         Args:
             bundle_dir: an exported or adapted bundle directory.
             device: ``auto`` (CUDA if it works, else CPU with a warning), ``cuda`` or ``cpu``.
-            threads: intra-op threads; ``None`` lets ONNX Runtime decide.
+            threads: intra-op threads; ``None`` (or 0) lets ONNX Runtime decide.
             backend: ``auto`` (the portable graphs when the bundle holds them, else the
                 onnxruntime-training ones), ``portable`` or ``ort-training`` (see :mod:`.engines`).
 
@@ -157,7 +183,10 @@ class Runner:
                 manifest or use ops the exporter never writes (see ``docs/bundle-trust.md``).
             DeviceUnavailableError: ``device="cuda"`` and CUDA cannot run the session.
             BackendUnavailableError: the bundle's training engine is not installed (names the extra).
+            InputError: ``threads`` is not None or an int >= 0.
         """
+        if threads is not None:
+            threads = check_int(threads, "threads", minimum=0)
         bundle_dir = Path(bundle_dir)
         if not bundle_dir.is_dir():
             raise BundleError(f"{bundle_dir} is not an edgeadapt bundle: no such directory")
@@ -234,9 +263,7 @@ class Runner:
             micro_batch = (self.manifest.plan or {}).get("micro_batch_windows")
             if micro_batch is None or self.manifest.batch_statistics:
                 return batch_size
-        if isinstance(micro_batch, bool) or int(micro_batch) != micro_batch or micro_batch < 1:
-            raise ValueError(f"micro_batch must be a positive int, got {micro_batch!r}")
-        micro_batch = int(micro_batch)
+        micro_batch = check_int(micro_batch, "micro_batch")
         if micro_batch < batch_size and self.manifest.batch_statistics:
             raise ValueError(
                 f"micro_batch={micro_batch} is smaller than the batch ({batch_size} windows), but this bundle "
@@ -339,14 +366,17 @@ class Runner:
 
         Returns:
             What the call did, with its measured memory (see :class:`AdaptResult`).
+
+        Raises:
+            InputError: bad data, or ``epochs``, ``batch_size``, ``micro_batch`` not a positive int
+                or ``seed`` not an int >= 0 (a bool or a float is neither), before any work.
         """
+        epochs, batch_size, seed = _check_counts(epochs, batch_size, seed)
         if lr is not None and not isinstance(lr, bool) and isinstance(lr, (int, float)) and lr == 0:
             return self.update_bn_statistics(X, y, epochs=epochs, batch_size=batch_size, shuffle=shuffle,
                                              seed=seed, progress=progress)
         X = check_inputs(self.manifest, X)
         y = check_labels(self.manifest, y, X.shape[0])
-        if epochs < 1 or batch_size < 1:
-            raise ValueError(f"epochs and batch_size must be >= 1, got {epochs} and {batch_size}")
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         peak_lr = check_learning_rate(self.learning_rate if lr is None else lr)
@@ -477,12 +507,12 @@ class Runner:
             NonFiniteLossError: a batch gave non-finite statistics; the statistics are rolled
                 back to the start of the epoch.
             AdaptInterrupted: Ctrl-C, as for :meth:`adapt`.
+            InputError: bad data or counts, as for :meth:`adapt`.
         """
+        epochs, batch_size, seed = _check_counts(epochs, batch_size, seed)
         X = check_inputs(self.manifest, X)
         if y is not None or self.manifest.label is None:
             y = check_labels(self.manifest, y, X.shape[0])
-        if epochs < 1 or batch_size < 1:
-            raise ValueError(f"epochs and batch_size must be >= 1, got {epochs} and {batch_size}")
         if not self.manifest.batch_statistics:
             log.info("the bundle normalises with frozen statistics; update_bn_statistics changes nothing")
         n = X.shape[0]
@@ -531,7 +561,9 @@ class Runner:
         return np.zeros(shape, dtype=np.dtype(spec["dtype"]))
 
     def predict(self, X: np.ndarray, batch_size: int = 256) -> np.ndarray:
-        """Model outputs (logits) for ``X`` with the current parameters, eval mode."""
+        """Model outputs (logits) for ``X`` with the current parameters, eval mode, ``batch_size``
+        windows per forward (:class:`InputError` unless a positive int)."""
+        batch_size = check_int(batch_size, "batch_size")
         X = check_inputs(self.manifest, X)
         outs = [self._backend.forward(suffix_inputs(self._prefix, X[i:i + batch_size], batch_size),
                                       self._dummy_labels(len(X[i:i + batch_size])))[1]
@@ -540,7 +572,9 @@ class Runner:
 
     def evaluate(self, X: np.ndarray, y: np.ndarray | None = None, batch_size: int = 256) -> EvalResult:
         """Mean loss and accuracy on ``X``/``y``: cross-entropy bundles need ``y``; a label-free
-        (entropy) bundle's loss needs none, and class ids ``y`` given to it give the accuracy."""
+        (entropy) bundle's loss needs none, and class ids ``y`` given to it give the accuracy;
+        ``batch_size`` windows per forward (:class:`InputError` unless a positive int)."""
+        batch_size = check_int(batch_size, "batch_size")
         X = check_inputs(self.manifest, X)
         classes = None
         if self.manifest.label is None and y is not None:  # a label-free loss: labels for the accuracy only
@@ -617,6 +651,8 @@ class Runner:
 
         Raises:
             FileExistsError: ``out_dir`` exists and is not a bundle of the same graphs.
+            NotADirectoryError: ``out_dir`` is new and a folder it would be made in is a file.
+            PermissionError: the folder :meth:`save` would write in is not writable.
         """
         out = Path(out_dir) if out_dir is not None else self.bundle_dir
         if out.exists():
@@ -626,6 +662,9 @@ class Runner:
                 raise FileExistsError(
                     f"{out} exists and is not a bundle of the same model; choose a new directory or remove it"
                 )
+            _check_writable(out, out)  # updated in place
+        else:
+            _check_creatable(out)
         return out
 
     def save(self, out_dir: str | os.PathLike | None = None) -> Path:

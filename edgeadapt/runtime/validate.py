@@ -11,7 +11,8 @@ from .arrays import native_contiguous
 from .errors import InputError
 from .finite import SQUARE_SAFE_LIMIT
 
-__all__ = ["check_inputs", "check_labels", "check_class_ids", "check_learning_rate"]
+__all__ = ["check_inputs", "check_labels", "check_class_ids", "check_learning_rate", "check_int",
+           "describe_axes"]
 
 
 def check_learning_rate(lr: object, what: str = "lr") -> float:
@@ -29,6 +30,17 @@ def check_learning_rate(lr: object, what: str = "lr") -> float:
     if not (math.isfinite(value) and value > 0):
         raise InputError(f"{what} must be a finite number > 0, got {value}")
     return value
+
+
+def check_int(value: object, what: str, minimum: int = 1) -> int:
+    """``value`` as an int; :class:`InputError` unless it is a whole number (a Python or numpy
+    integer: not a float, not a bool) of at least ``minimum``."""
+    wanted = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InputError(f"{what} must be {wanted}, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise InputError(f"{what} must be {wanted}, got {value!r}")
+    return int(value)
 
 
 def check_inputs(manifest: Manifest, x: np.ndarray, what: str = "X") -> np.ndarray:
@@ -52,10 +64,7 @@ def check_inputs(manifest: Manifest, x: np.ndarray, what: str = "X") -> np.ndarr
             w is None or w == g for w, g in zip(want, (*x.shape[:-2], x.shape[-1], x.shape[-2])))
         fix = ("its last two axes are swapped: transpose them (x.transpose(0, 2, 1)); a .npz file stores X as "
                "(windows, time steps, channels)") if swapped else "window and transpose the data to match"
-        raise InputError(
-            f"{what} has shape {list(x.shape)}, the bundle expects {shown} "
-            f"(windows, channels, time steps as exported); {fix}"
-        )
+        raise InputError(f"{what} has shape {list(x.shape)}, the bundle expects {shown} {describe_axes(want)}; {fix}")
     if x.shape[0] == 0:
         raise InputError(f"{what} is empty")
     nonfinite, extreme = _count_out_of_range(x)
@@ -69,6 +78,15 @@ def check_inputs(manifest: Manifest, x: np.ndarray, what: str = "X") -> np.ndarr
             "statistics, the loss and the optimizer state; drop or clip those windows (a sensor glitch?) or "
             "normalise the data as the source model was trained")
     return native_contiguous(x)
+
+
+def describe_axes(shape) -> str:
+    """A bundle's input ``shape`` in words: ``(batch, 4 channels, 16 time steps)`` for windows of
+    a 1-D signal, else ``(batch first, as exported)``."""
+    if len(shape) != 3:
+        return "(batch first, as exported)"
+    channels, steps = ("any number of" if n is None else n for n in shape[1:])
+    return f"(batch, {channels} channels, {steps} time steps)"
 
 
 _CHECK_CHUNK_BYTES = 64 * 1024

@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from helpers import as_if_pretrained, make_cnn
+from helpers import as_if_pretrained, make_cnn, make_two_input_model
 from torch import nn
 
 from edgeadapt.bundle import read_manifest
@@ -123,6 +123,27 @@ def test_multi_output_model_is_refused(tmp_path):
 
     with pytest.raises(ValueError, match="single tensor"):
         export_bundle(Two(), EXAMPLE, tmp_path / "b")
+
+
+def test_a_model_with_two_inputs_is_refused_before_any_work(tmp_path):
+    supported = r"the exporter supports models with one input: a float32 tensor of shape \(batch, \.\.\.\)"
+    with pytest.raises(ValueError, match=r"TwoInputs\.forward takes 2 inputs \(x, offset\); " + supported):
+        export_bundle(make_two_input_model(), EXAMPLE, tmp_path / "b")
+    with pytest.raises(ValueError, match=r"example_input holds 2 inputs; " + supported):
+        export_bundle(make_two_input_model(), (EXAMPLE, EXAMPLE[:, :, :1]), tmp_path / "b")
+
+    class Unpacks(nn.Module):  # forward(*inputs): only calling it tells
+        def __init__(self):
+            super().__init__()
+            self.inner = make_two_input_model()
+
+        def forward(self, *inputs):
+            return self.inner(*inputs)
+
+    with pytest.raises(ValueError, match=r"calling the model on the example input \(one tensor of shape "
+                                         r"\[2, 4, 16\]\) raised TypeError: .*offset.*; if it takes more than one"):
+        export_bundle(Unpacks(), EXAMPLE, tmp_path / "b")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_fresh_batchnorm_parameters_keep_their_own_names(tmp_path):

@@ -56,7 +56,10 @@ def _directory(path):
 
 DATA_CASES = [
     ("shape", _npz(lambda a: a.update(X=np.zeros((12, TIME_STEPS, 5), np.float32))),
-     r"\(X\) has shape \[12, 5, 16\], the bundle expects \['batch', 4, 16\]"),
+     r"\(X\) has shape \[12, 5, 16\], the bundle expects \['batch', 4, 16\] \(batch, 4 channels, 16 time steps\)"),
+    ("channels-first", _npz(lambda a: a.update(X=a["X"].transpose(0, 2, 1))),
+     r"\(X\) has shape \[12, 16, 4\], the bundle expects \['batch', 4, 16\] \(batch, 4 channels, 16 time steps\); "
+     r"its last two axes are swapped: transpose them"),
     ("NaN", _npz(lambda a: a["X"].__setitem__((3, 2, 1), np.nan)), "NaN/inf values"),
     ("empty", _npz(lambda a: a.update(X=np.zeros((0, TIME_STEPS, N_CHANNELS)), y=np.zeros(0, np.int64),
                                       subject=np.zeros(0, np.int64))), "'X' holds no windows"),
@@ -70,8 +73,19 @@ DATA_CASES = [
 ]
 
 
-@pytest.mark.parametrize("write, match", [c[1:] for c in DATA_CASES], ids=[c[0] for c in DATA_CASES])
-def test_bad_data_on_the_cli(bundle, tmp_path, capsys, write, match):
+# The command line names a file's windows as the file stores them: (windows, time steps, channels).
+CLI_MATCHES = {
+    "shape": r"data\.npz: X has shape \[12, 16, 5\], but a \.npz file stores windows as \(windows, time steps, "
+             r"channels\) and this bundle takes \(batch, 4 channels, 16 time steps\), so X must be stored as "
+             r"\[12, 16, 4\]; window and transpose the data to match",
+    "channels-first": r"data\.npz: X has shape \[12, 4, 16\], .* so X must be stored as \[12, 16, 4\]; it looks "
+                      r"channels-first: save it transposed, np\.savez\(\.\.\., X=X\.transpose\(0, 2, 1\)\)",
+}
+
+
+@pytest.mark.parametrize("name, write, match", DATA_CASES, ids=[c[0] for c in DATA_CASES])
+def test_bad_data_on_the_cli(bundle, tmp_path, capsys, name, write, match):
+    match = CLI_MATCHES.get(name, match)
     data = write(tmp_path / "data.npz")
     out = tmp_path / "out"
     code = main(["adapt", str(bundle), "--data", str(data), "--out", str(out), "--no-progress", "--device", "cpu"])
@@ -170,13 +184,24 @@ def test_bad_bundles_on_the_cli_and_from_python(bundle, tmp_path, capsys, damage
     (["--lr", "inf"], "--lr must be a finite number > 0"),
     (["--epochs", "0"], "--epochs and --batch-size must be >= 1"),
     (["--sample-rate-hz", "-5"], "--sample-rate-hz must be a positive number"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1"), (["--threads", "-2"], "threads must be an int >= 0"),
 ])
 def test_bad_arguments_on_the_cli(bundle, tmp_path, capsys, args, match):
     np.savez(tmp_path / "good.npz", **_windows())
     out = tmp_path / "out"
     code = main(["adapt", str(bundle), "--data", str(tmp_path / "good.npz"), "--out", str(out), "--no-progress", *args])
-    err = capsys.readouterr().err
-    assert code == 2 and match in err and not out.exists()
+    captured = capsys.readouterr()
+    assert code == 2 and match in captured.err and not out.exists()
+    assert "adapting" not in captured.out  # refused before the adaptation started
+
+
+def test_a_negative_seed_is_refused_before_the_data_is_read(bundle, tmp_path, capsys, monkeypatch):
+    from edgeadapt.cli import adapt
+
+    monkeypatch.setattr(adapt, "load_data", lambda *a, **k: pytest.fail("the data were read"))
+    code = main(["adapt", str(bundle), "--data", str(tmp_path / "big.npz"), "--out", str(tmp_path / "out"),
+                 "--seed", "-1"])
+    assert code == 2 and capsys.readouterr().err == "error: --seed must be >= 0, got -1\n"
 
 
 # ---- item 15: CSV and minimal .npz files work ------------------------------------------------------

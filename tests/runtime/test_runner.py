@@ -217,6 +217,33 @@ def test_predict_and_evaluate_agree(bundle, rng):
     assert result.n_windows == 10 and np.isfinite(result.loss)
 
 
+@pytest.mark.parametrize("call, message", [
+    (lambda r, X, y: r.predict(X, batch_size=0), "batch_size must be a positive int, got 0"),
+    (lambda r, X, y: r.evaluate(X, y, batch_size=2.5), r"batch_size must be a positive int, got 2\.5 \(float\)"),
+    (lambda r, X, y: r.adapt(X, y, epochs=1.5), r"epochs must be a positive int, got 1\.5 \(float\)"),
+    (lambda r, X, y: r.adapt(X, y, epochs=True), r"epochs must be a positive int, got True \(bool\)"),
+    (lambda r, X, y: r.adapt(X, y, batch_size=0), "batch_size must be a positive int, got 0"),
+    (lambda r, X, y: r.adapt(X, y, seed=-1), "seed must be an int >= 0, got -1"),
+    (lambda r, X, y: r.adapt(X, y, seed=0.5), r"seed must be an int >= 0, got 0\.5 \(float\)"),
+    (lambda r, X, y: r.adapt(X, y, micro_batch=2.0), r"micro_batch must be a positive int, got 2\.0 \(float\)"),
+    (lambda r, X, y: r.adapt(X, y, lr=0, epochs=0), "epochs must be a positive int, got 0"),  # bn-stats
+    (lambda r, X, y: r.update_bn_statistics(X, batch_size=False), r"batch_size must be a positive int, got False"),
+    (lambda r, X, y: r.train_step(X, y, micro_batch=0), "micro_batch must be a positive int, got 0"),
+])
+def test_bad_counts_are_refused_with_the_argument_named(bundle, rng, call, message):
+    runner = Runner.load(bundle, device="cpu")
+    X, y = make_data(rng, n=6)
+    with pytest.raises(InputError, match=message):
+        call(runner, X, y)
+    assert runner.step == 0
+
+
+def test_threads_must_be_a_count(bundle):
+    with pytest.raises(InputError, match="threads must be an int >= 0, got -1"):
+        Runner.load(bundle, device="cpu", threads=-1)
+    assert Runner.load(bundle, device="cpu", threads=np.int64(1)).device == "cpu"
+
+
 @pytest.mark.gpu
 def test_cuda_session_matches_cpu(bundle, rng):
     X, y = make_data(rng, n=8)
