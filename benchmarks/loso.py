@@ -39,6 +39,11 @@ rows, learning-rate selections, summary; rewritten after every fold), ``.md`` (M
 and ``.png`` (two panels: mean accuracy with worst-subject markers, step and call peaks).
 Prints the table at the end.
 
+``--target-shift`` applies a sensor shift to each held-out subject (covariate shift);
+``--adapt-classes K`` makes the adaptation windows show only K of its classes, in recording
+order, as a user who adapts on a stretch of one or two activities has them (label shift: the
+evaluation windows still cover every class).
+
 Usage::
 
     .venv/bin/python benchmarks/loso.py --dataset synthetic --model cnn
@@ -153,7 +158,10 @@ def _markdown(result: dict) -> str:
                    "the lr column counts the folds that chose each rate.")
     lines = [
         f"### LOSO {cfg['dataset']} / {cfg['model']}: {len(result['subjects_done'])} subjects, "
-        f"k={cfg['k_per_class']} per class, {cfg['epochs']} adaptation epochs",
+        f"k={cfg['k_per_class']} per class, {cfg['epochs']} adaptation epochs"
+        + (f", sensor shift {cfg['target_shift']}" if cfg.get("target_shift") else "")
+        + (f", adaptation windows of {cfg['adapt_classes']} class(es) only (label shift)"
+           if cfg.get("adapt_classes") else ""),
         "",
         f"Command: `{result['command']}`",
         "",
@@ -286,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(bytes or e.g. 256KiB)")
     p.add_argument("--target-shift", choices=SHIFTS, default=None,
                    help="a sensor shift applied to each held-out subject's windows (datasets/shifts.py)")
+    p.add_argument("--adapt-classes", type=int, default=None, metavar="K",
+                   help="label shift: each held-out subject's adaptation windows (as many as --k-per-class x "
+                        "classes) show only K of its classes, in recording order; evaluation on all its other windows")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="threads for pretraining and adaptation (default 1)")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
@@ -294,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.validation_subjects < 1 or args.threads < 1:
         p.error("--validation-subjects and --threads must be >= 1")
+    if args.adapt_classes is not None and args.adapt_classes < 1:
+        p.error("--adapt-classes must be >= 1")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
 
@@ -361,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{label_free[m].validation_subjects} in {time.perf_counter() - t0:.0f} s: "
                       f"{label_free[m].settings}",
                       flush=True)
-            split = make_split(fold_ds, target, args.k_per_class, args.seed)
+            split = make_split(fold_ds, target, args.k_per_class, args.seed, adapt_classes=args.adapt_classes)
             t0 = time.perf_counter()
             model = pretrain_source(args.model, split, epochs=args.pretrain_epochs, seed=args.seed,
                                     threads=args.threads)

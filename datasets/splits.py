@@ -18,7 +18,7 @@ import numpy as np
 
 from .window_dataset import WindowDataset
 
-__all__ = ["SubjectSplit", "FewShotSplit", "loso_splits", "few_shot_split"]
+__all__ = ["SubjectSplit", "FewShotSplit", "loso_splits", "few_shot_split", "label_shift_split"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +94,47 @@ def few_shot_split(dataset: WindowDataset, subject: int, k_per_class: int, seed:
     adapt = np.sort(np.concatenate([
         rng.choice(own[dataset.y[own] == c], size=k_per_class, replace=False) for c in range(dataset.n_classes)
     ]))
+    rest = _evaluation_windows(dataset, subject, own, adapt)
+    if rest.size == 0:
+        raise ValueError(
+            f"subject {subject}: no evaluation window is left after taking {k_per_class} per class for "
+            "adaptation (and dropping windows that overlap them); lower k_per_class"
+        )
+    return FewShotSplit(adapt, rest)
+
+
+def label_shift_split(dataset: WindowDataset, subject: int, n_windows: int, n_classes: int,
+                      seed: int) -> FewShotSplit:
+    """Adaptation windows of only some activities: ``n_windows`` windows of ``subject`` among its
+    windows of ``n_classes`` seeded classes, in dataset (recording) order, as a user who adapts
+    on a stretch of one or two activities has them; the subject's other windows, of every class,
+    evaluate (minus any that share samples with an adaptation window).
+
+    Raises:
+        ValueError: ``subject`` is not in the dataset, ``n_classes`` is not in 1 .. its classes - 1,
+            ``n_windows`` is not positive, or nothing is left to evaluate.
+    """
+    own = np.flatnonzero(dataset.subject == subject)
+    if own.size == 0:
+        raise ValueError(f"subject {subject} is not in the dataset (subjects: {dataset.subjects.tolist()})")
+    present = np.unique(dataset.y[own])
+    if not (isinstance(n_classes, (int, np.integer)) and 1 <= n_classes < present.size):
+        raise ValueError(f"n_classes must be an integer in 1..{present.size - 1} (subject {subject} has "
+                         f"{present.size} classes), got {n_classes!r}")
+    if not (isinstance(n_windows, (int, np.integer)) and n_windows >= 1):
+        raise ValueError(f"n_windows must be a positive integer, got {n_windows!r}")
+    classes = np.random.default_rng([seed, subject]).choice(present, size=n_classes, replace=False)
+    adapt = own[np.isin(dataset.y[own], classes)][:n_windows]
+    rest = _evaluation_windows(dataset, subject, own, adapt)
+    if rest.size == 0:
+        raise ValueError(f"subject {subject}: no evaluation window is left after taking {n_windows} windows "
+                         f"of its classes {sorted(classes.tolist())}; lower n_windows")
+    return FewShotSplit(adapt, rest)
+
+
+def _evaluation_windows(dataset: WindowDataset, subject: int, own: np.ndarray, adapt: np.ndarray) -> np.ndarray:
+    """``subject``'s windows ``own`` not in ``adapt`` and sharing no sample with one of them (when
+    ``dataset.recording`` is known); warns about classes left without an evaluation window."""
     rest = np.setdiff1d(own, adapt)
     if dataset.recording is not None:
         # Two windows of one recording share samples iff their starts differ by less than a window.
@@ -104,13 +145,8 @@ def few_shot_split(dataset: WindowDataset, subject: int, k_per_class: int, seed:
             logger.info("subject %s: %d evaluation windows dropped for sharing samples with adaptation windows",
                         subject, int(overlapping.sum()))
         rest = rest[~overlapping]
-    if rest.size == 0:
-        raise ValueError(
-            f"subject {subject}: no evaluation window is left after taking {k_per_class} per class for "
-            "adaptation (and dropping windows that overlap them); lower k_per_class"
-        )
     missing = np.flatnonzero(np.bincount(dataset.y[rest], minlength=dataset.n_classes) == 0)
-    if missing.size:
+    if rest.size and missing.size:
         logger.warning("subject %s: classes %s have no evaluation window left", subject,
                        [dataset.class_names[c] for c in missing])
-    return FewShotSplit(adapt, rest)
+    return rest

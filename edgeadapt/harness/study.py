@@ -17,7 +17,7 @@ import numpy as np
 
 from .adapt_job import AdaptJobSpec, run_job_in_subprocess
 from .label_free_settings import UNLABELED_METHOD_SETTINGS
-from ..datasets import ChannelNormalizer, WindowDataset, few_shot_split
+from ..datasets import ChannelNormalizer, WindowDataset, few_shot_split, label_shift_split
 
 __all__ = ["Method", "METHODS", "ALL_METHODS", "LABEL_FREE", "FIXED_LR", "LR_GRID", "PRETRAIN_THREADS",
            "SplitData", "make_split", "sparse_policy", "method_recipe", "pinned_torch", "pretrain_source",
@@ -144,8 +144,12 @@ class SplitData:
 
 
 def make_split(ds: WindowDataset, target_subject: int, k_per_class: int, seed: int,
-               val_fraction: float = 0.2) -> SplitData:
-    """Split ``ds`` for one target subject; normalisation is fitted on source training windows."""
+               val_fraction: float = 0.2, adapt_classes: int | None = None) -> SplitData:
+    """Split ``ds`` for one target subject; normalisation is fitted on source training windows.
+
+    ``adapt_classes``: the target's adaptation windows (as many as ``k_per_class`` x its classes)
+    show only this many of its classes, in recording order (label shift,
+    :func:`~edgeadapt.datasets.label_shift_split`); ``None``: ``k_per_class`` of every class."""
     rng = np.random.default_rng(seed)
     source = np.flatnonzero(ds.subject != target_subject)
     if ds.recording is None:
@@ -155,7 +159,10 @@ def make_split(ds: WindowDataset, target_subject: int, k_per_class: int, seed: i
         train_idx, val_idx = _split_recordings_in_time(ds, source, val_fraction)
     norm = ChannelNormalizer.fit(ds, train_idx)
     ds_n = norm.apply(ds)
-    shot = few_shot_split(ds_n, target_subject, k_per_class, seed)
+    if adapt_classes is None:
+        shot = few_shot_split(ds_n, target_subject, k_per_class, seed)
+    else:
+        shot = label_shift_split(ds_n, target_subject, k_per_class * ds.n_classes, adapt_classes, seed)
     return SplitData(target_subject, ds_n.subset(train_idx), ds_n.subset(val_idx),
                      ds_n.subset(shot.adapt_idx), ds_n.subset(shot.eval_idx), norm)
 

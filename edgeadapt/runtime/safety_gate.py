@@ -8,16 +8,23 @@ No label is available, so the gate compares the two models on *held-back* unlabe
   shift). A model whose decisions follow the signal rather than the shift keeps them under such
   perturbations; adaptation that broke the features loses agreement.
 * **collapse**: the share of the most predicted class and the mean prediction entropy.
+* **one class in the adaptation windows**: when the model assigns nearly all the windows it
+  adapted on to one class they may show one activity (label shift), not a shifted sensor: their
+  statistics and prototypes pull every class toward that one, and views of held-back windows of
+  the same activity cannot show it. The adaptation is refused (the safe side of an ambiguity no
+  label-free evidence resolves).
 * **prediction change**: the fraction of held-back windows the adapted model classifies
   differently from the source model (off by default: a subject the source model gets wrong
   needs many changes).
 
 :func:`decide` keeps the adaptation only when every criterion passes and reports which failed.
-Agreement is compared pair by pair, on the same windows and views (McNemar): with ``lost`` the
-(window, view) pairs on which only the source model agrees and ``won`` those on which only the
-adapted one does, the adaptation is refused when ``lost - won > agreement_margin_sd *
-sqrt(lost + won)``, the difference more than that many standard deviations of its noise. A
-single flip among eight windows is noise; a consistent loss is evidence of harm.
+Agreement is compared window by window, on the same windows and views (a paired sign test):
+with ``d_i`` the number of views of window ``i`` on which only the source model agrees minus
+those on which only the adapted one does, the adaptation is refused when ``sum d_i >
+agreement_margin_sd * sqrt(sum d_i^2)``, the net loss more than that many standard deviations of
+its noise. The window is the unit of evidence: the views of one window near a class boundary
+flip together, so a window losing all its views is one piece of evidence, not several. A single
+flip among eight windows is noise; a consistent loss is evidence of harm.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["GateSettings", "ModelEvidence", "GateDecision", "augmented_views", "view_logits", "evidence",
-           "agreement_changes", "decide", "softmax", "normalized_entropy", "collapsed"]
+           "agreement_changes", "agreement_loss", "decide", "softmax", "normalized_entropy", "collapsed"]
 
 # Perturbations of augmented_views, in units of the (normalised) input: per-channel gain factor
 # exp(U(-g, g)), additive Gaussian noise of this fraction of each window's channel std, circular
@@ -52,17 +59,20 @@ class GateSettings:
             the source model did not) has collapsed.
         collapse_entropy: ... or one whose mean normalised entropy fell below this (and below
             half the source model's).
+        label_shift_share: refused when more than this share of the windows adapted on are
+            predicted as one class (1: no limit).
     """
 
     agreement_margin_sd: float = 1.0
     max_changed_fraction: float = 1.0
     collapse_share: float = 0.9
     collapse_entropy: float = 0.01
+    label_shift_share: float = 0.9
 
     def __post_init__(self) -> None:
         if not (isinstance(self.agreement_margin_sd, (int, float)) and 0 <= self.agreement_margin_sd < float("inf")):
             raise ValueError(f"agreement_margin_sd must be a finite number >= 0, got {self.agreement_margin_sd!r}")
-        for name in ("max_changed_fraction", "collapse_share", "collapse_entropy"):
+        for name in ("max_changed_fraction", "collapse_share", "collapse_entropy", "label_shift_share"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 <= value <= 1):
                 raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
@@ -98,6 +108,8 @@ class GateDecision:
         source, adapted: the evidence of each model on the same held-back windows.
         changed_fraction: share of held-back windows whose class changed.
         n_windows: held-back windows the evidence is computed on.
+        adapt_max_class_share: share of the windows adapted on given their most predicted class
+            (by the model before each batch's update; ``None`` when not given).
     """
 
     kept: bool
@@ -106,6 +118,7 @@ class GateDecision:
     adapted: ModelEvidence
     changed_fraction: float
     n_windows: int
+    adapt_max_class_share: float | None = None
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -188,9 +201,26 @@ def agreement_changes(source: ModelEvidence, adapted: ModelEvidence) -> tuple[in
     return int((a & ~b).sum()), int((~a & b).sum())
 
 
-def decide(source: ModelEvidence, adapted: ModelEvidence, settings: GateSettings) -> GateDecision:
+def agreement_loss(source: ModelEvidence, adapted: ModelEvidence) -> tuple[int, float]:
+    """The net number of (window, view) pairs the adaptation lost, ``sum d_i``, and its standard
+    deviation under no change, ``sqrt(sum d_i^2)``, with ``d_i`` window ``i``'s views on which only
+    the source model agrees minus those on which only the adapted one does."""
+    if len(source.view_agrees) != len(adapted.view_agrees):
+        raise ValueError("the two models' evidence covers different windows or views")
+    lost_won = np.asarray(source.view_agrees, int) - np.asarray(adapted.view_agrees, int)
+    n = len(source.classes)
+    if not n or not len(lost_won):
+        return 0, 0.0
+    d = lost_won.reshape(-1, n).sum(axis=0)  # view_agrees is view-major: one row per view
+    return int(d.sum()), float(np.sqrt((d * d).sum()))
+
+
+def decide(source: ModelEvidence, adapted: ModelEvidence, settings: GateSettings,
+           adapt_class_counts: np.ndarray | None = None) -> GateDecision:
     """Keep the adaptation when it has not collapsed, has not lost view agreement beyond the
-    noise (module docstring), and changes at most ``max_changed_fraction`` of classes."""
+    noise (module docstring), changes at most ``max_changed_fraction`` of classes, and (given
+    ``adapt_class_counts``, the windows adapted on per predicted class) was not made on windows
+    of nearly one class."""
     n = len(source.classes)
     changed = float(np.mean(np.array(source.classes) != np.array(adapted.classes))) if n else 0.0
     reasons = []
@@ -198,11 +228,19 @@ def decide(source: ModelEvidence, adapted: ModelEvidence, settings: GateSettings
     if why:
         reasons.append(f"collapse: {why}")
     lost, won = agreement_changes(source, adapted)
-    if lost - won > settings.agreement_margin_sd * np.sqrt(lost + won):
+    net, sd = agreement_loss(source, adapted)
+    if net > settings.agreement_margin_sd * sd:
         reasons.append(f"view agreement fell from {source.view_agreement:.3f} to {adapted.view_agreement:.3f} "
-                       f"({lost} window-views lost, {won} won: more than {settings.agreement_margin_sd:g} "
-                       "standard deviations)")
+                       f"({lost} window-views lost, {won} won: net {net}, more than "
+                       f"{settings.agreement_margin_sd:g} x its standard deviation {sd:.2f} over {n} windows)")
+    share = None
+    if adapt_class_counts is not None and np.sum(adapt_class_counts) > 0:
+        share = float(np.max(adapt_class_counts) / np.sum(adapt_class_counts))
+        if share > settings.label_shift_share:
+            reasons.append(f"{share:.0%} of the windows adapted on are predicted as one class: they may show one "
+                           "activity, whose statistics would pull every class toward it; adapt on windows of "
+                           "several activities")
     if changed > settings.max_changed_fraction:
         reasons.append(f"{changed:.0%} of held-back windows changed class (limit "
                        f"{settings.max_changed_fraction:.0%})")
-    return GateDecision(not reasons, tuple(reasons), source, adapted, changed, n)
+    return GateDecision(not reasons, tuple(reasons), source, adapted, changed, n, share)

@@ -28,9 +28,12 @@ three stages, each optional (:class:`UnlabeledSettings`):
    statistics the training graph moved are restored. Needs a bundle with the ``entropy`` loss.
 3. **Prototype head adjustment** (backprop-free, T3A-like): class means of the head's input
    features over confident windows (pseudo-labelled, entropy below ``prototype_threshold``)
-   make a nearest-mean linear classifier ``k * (mu_c . f - |mu_c|^2 / 2)``; the head becomes
-   ``(1 - prototype_mix) * source head + prototype_mix * that``, ``k`` matching the two heads'
-   weight norms. Per-class feature sums are kept, not features.
+   make a nearest-mean linear classifier ``k * (mu_c . f - |mu_c|^2 / 2) + offset``; the head
+   becomes ``(1 - prototype_mix) * source head + prototype_mix * that`` for the classes with a
+   prototype, ``k`` matching the two heads' weight norms, ``offset`` the one that makes the
+   nearest-mean logits of the prototypes' own windows average the source head's (so that when
+   the windows show only some classes, those gain no prior over the others). Per-class feature
+   sums are kept, not features.
 
 After every stage the adapter checks for **collapse** on the windows it just saw (one class for
 nearly everything, entropy falling to zero) and **resets** that stage to the state before it.
@@ -314,6 +317,7 @@ class UnlabeledAdapter:
         self._gate_source = None
         self._resets: deque[str] = deque(maxlen=MAX_RESETS_KEPT)
         self._n_resets = 0
+        self._class_counts: np.ndarray | None = None  # windows adapted on, per class predicted before the update
         self._steps = self._updates = self._n_adapt = 0
         self._start = time.perf_counter()
 
@@ -325,6 +329,7 @@ class UnlabeledAdapter:
                     if n.endswith("running_mean"))
         if self._head is not None:  # per-class feature sums and the head's float64 copies while mixing
             held += HEAD_COPIES * self._source[self._head.head.weight].nbytes
+        held += np.dtype(np.int64).itemsize * int(self.runner.manifest.output.shape[-1])  # per-class counts
         return held
 
     def _plan_passes(self) -> None:
@@ -533,11 +538,20 @@ class UnlabeledAdapter:
         have = self._proto_n >= s.min_prototype_windows
         if not have.any():
             return
-        mu = self._proto_sum[have] / self._proto_n[have, None]
+        n = self._proto_n[have].astype(np.float64)
+        mu = self._proto_sum[have] / n[:, None]
         k = np.linalg.norm(W[have]) / max(np.linalg.norm(mu), 1e-12)
+        half_sq = k * 0.5 * (mu * mu).sum(axis=1)
+        # The nearest-mean logits are defined up to a common offset. Where some classes have no
+        # prototype (the windows showed only some activities: label shift) that offset weighs the
+        # mixed classes against the source head's: fixed so that over the windows that made the
+        # prototypes the nearest-mean logit of each one's class averages the source head's logit
+        # (mu_c . sum_c f = n_c |mu_c|^2), a class seen here gains no prior over one not seen.
+        source_mean = ((W[have] * self._proto_sum[have]).sum() + n @ b[have]) / n.sum()
+        offset = source_mean - (n @ half_sq) / n.sum()
         W_new, b_new = W.copy(), b.copy()
         W_new[have] = (1 - s.prototype_mix) * W[have] + s.prototype_mix * k * mu
-        b_new[have] = (1 - s.prototype_mix) * b[have] - s.prototype_mix * k * 0.5 * (mu * mu).sum(axis=1)
+        b_new[have] = (1 - s.prototype_mix) * b[have] + s.prototype_mix * (offset - half_sq)
         self._backend.set_tensor(head.weight, (W_new if head.transposed else W_new.T).astype(np.float32))
         if head.bias:
             self._backend.set_tensor(head.bias, b_new.astype(np.float32))
@@ -573,7 +587,11 @@ class UnlabeledAdapter:
             self._n_adapt += len(X)
             self._updates += 1
             return
-        reference = evidence(self._logits(X), [])
+        logits = self._logits(X)
+        reference = evidence(logits, [])
+        # What the windows show, not what the model holds: kept across resets.
+        counts = np.bincount(logits.argmax(axis=1), minlength=logits.shape[1])
+        self._class_counts = counts if self._class_counts is None else self._class_counts + counts
         if self._stats_on:
             before = self._take(self._stats_names)
             self._target_statistics(X)
@@ -606,7 +624,7 @@ class UnlabeledAdapter:
         """The gate's decision on the current adaptation (``None`` without held-back windows)."""
         if self._gate_source is None or not self._gate_fill:
             return None
-        return decide(self._gate_source, self._evidence(), self.settings.gate_settings)
+        return decide(self._gate_source, self._evidence(), self.settings.gate_settings, self._class_counts)
 
     def check_gate(self) -> bool:
         """Ask the gate now; when it refuses, reset to the source model (recorded). True if kept."""

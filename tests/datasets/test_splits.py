@@ -7,7 +7,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from edgeadapt.datasets import SyntheticConfig, few_shot_split, loso_splits, make_synthetic, windows_from_continuous
+from edgeadapt.datasets import (
+    SyntheticConfig, few_shot_split, label_shift_split, loso_splits, make_synthetic, windows_from_continuous,
+)
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +87,29 @@ def test_few_shot_argument_errors(dataset):
         few_shot_split(dataset, subject=9, k_per_class=1, seed=0)
     with pytest.raises(ValueError, match="k_per_class must be a positive integer, got 0"):
         few_shot_split(dataset, subject=0, k_per_class=0, seed=0)
+
+
+@pytest.mark.parametrize("n_classes", [1, 2])
+def test_label_shift_split_adapts_on_some_classes_and_evaluates_on_all(dataset, n_classes):
+    split = label_shift_split(dataset, subject=1, n_windows=4, n_classes=n_classes, seed=0)
+    own = np.flatnonzero(dataset.subject == 1)
+    assert len(split.adapt_idx) == 4 and np.all(np.isin(split.adapt_idx, own))
+    assert np.unique(dataset.y[split.adapt_idx]).size <= n_classes
+    # the first windows of the chosen classes, in dataset order
+    chosen = np.isin(dataset.y[own], np.unique(dataset.y[split.adapt_idx]))
+    if np.unique(dataset.y[split.adapt_idx]).size == n_classes:
+        np.testing.assert_array_equal(split.adapt_idx, own[chosen][:4])
+    np.testing.assert_array_equal(np.union1d(split.adapt_idx, split.eval_idx), own)
+    assert np.intersect1d(split.adapt_idx, split.eval_idx).size == 0
+    assert np.unique(dataset.y[split.eval_idx]).size == 6  # every class still evaluated
+    again = label_shift_split(dataset, subject=1, n_windows=4, n_classes=n_classes, seed=0)
+    np.testing.assert_array_equal(again.adapt_idx, split.adapt_idx)
+
+
+def test_label_shift_split_argument_errors(dataset):
+    with pytest.raises(ValueError, match=r"n_classes must be an integer in 1..5 \(subject 0 has 6 classes\), got 6"):
+        label_shift_split(dataset, subject=0, n_windows=8, n_classes=6, seed=0)
+    with pytest.raises(ValueError, match="n_windows must be a positive integer, got 0"):
+        label_shift_split(dataset, subject=0, n_windows=0, n_classes=1, seed=0)
+    with pytest.raises(ValueError, match=r"subject 9 is not in the dataset"):
+        label_shift_split(dataset, subject=9, n_windows=8, n_classes=1, seed=0)

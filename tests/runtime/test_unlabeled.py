@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from edgeadapt.runtime.safety_gate import (
-    GateSettings, ModelEvidence, agreement_changes, augmented_views, decide, evidence, view_logits,
+    GateSettings, ModelEvidence, agreement_changes, agreement_loss, augmented_views, decide, evidence, view_logits,
 )
 from edgeadapt.runtime.unlabeled import UnlabeledAdapter, UnlabeledSettings
 
@@ -151,28 +151,64 @@ def test_statistics_repair_an_offset_that_fools_the_source(toy_bundle):
     assert accuracy(runner, X, y) > 0.95
 
 
-def test_prototypes_adjust_a_shifted_toy_problem(toy_bundle):
-    """Class 0's windows moved next to class 1's (features (4, 4.4, 0)): the source head calls
-    most of them class 1 and is unsure; classes 1 and 2 stay confident. Their prototypes make
-    rows k * mu_c and biases -k |mu_c|^2 / 2 with k = |W rows| / |mu rows| = sqrt(2) / sqrt(72)
-    = 1/6, i.e. row 1 = (0, 1, 0), bias -3; class 0 keeps its source row (1, 0, 0): a class-0
-    window's logits become (4, 1.4, -3), right."""
+def own_class_logit_mean(runner, X) -> float:
+    """Mean over ``X`` of each window's logit for its predicted class."""
+    logits = runner.predict(X)
+    return float(logits.max(axis=1).mean())
+
+
+def test_prototype_head_is_a_nearest_mean_classifier_on_the_source_scale(toy_bundle):
+    """Class 0's windows moved next to class 1's (features (4, 4.4, 0)): the source head is
+    unsure on them, so only classes 1 and 2 make prototypes (mu_1 = (0, 6, 0), mu_2 = (0, 0, 6)).
+    Their rows become k * mu_c with k = |W rows| / |mu rows| = sqrt(2) / sqrt(72) = 1/6, i.e. the
+    unit rows again; class 0 keeps its source row. The biases are -k |mu_c|^2 / 2 = -3 plus one
+    common offset: the one that keeps the mean logit of the prototypes' own windows the source
+    head's (6 there), so the two classes' biases end where they were (0) and a class with a
+    prototype gains no prior over class 0, which has none."""
     y = np.repeat(np.arange(N_CLASSES), 20)
     means = AMPLITUDE * np.eye(N_CLASSES)[y]
     means[y == 0] = (4.0, 4.4, 0.0)
     X = windows(means, seed=1)
     runner = load(toy_bundle)
-    before = accuracy(runner, X, y)
-    assert before < 0.75
+    own = X[y > 0]
+    before = own_class_logit_mean(runner, own)
     adapter = UnlabeledAdapter(runner, UnlabeledSettings(**{**OFF, "prototype_mix": 1.0}))
     adapter.update(X)
     W = runner._backend.get_tensor("head.weight")
     b = runner._backend.get_tensor("head.bias")
-    np.testing.assert_allclose(W[1], [0, 1, 0], atol=0.02)  # k * mu_1 = (1/6) * (0, 6, 0)
-    np.testing.assert_allclose(b[1], -3.0, atol=0.1)  # -k |mu_1|^2 / 2
+    # tolerance: the prototypes are means of 20 windows x 8 steps of noise std 0.1 (~0.01 each)
+    np.testing.assert_allclose(W[1:], [[0, 1, 0], [0, 0, 1]], atol=0.02)
     np.testing.assert_array_equal(W[0], [1, 0, 0])  # no confident class-0 window: the source row
-    assert accuracy(runner, X, y) > 0.95
+    np.testing.assert_allclose(b[1:], [0.0, 0.0], atol=0.1)  # -3 + offset 3
+    assert own_class_logit_mean(runner, own) == pytest.approx(before, abs=0.05)
     assert "prototypes" in adapter.stages()
+
+
+def test_prototypes_of_one_class_do_not_pull_the_others(toy_bundle):
+    """Label shift: the windows adapted on show class 1 only, far from the source's class-1 mean
+    (8 instead of 6 on its channel). Its prototype is the only one; the offset keeps its windows'
+    logit where the source head had it, so the windows of classes 0 and 2 stay right."""
+    one = windows(np.tile([0.0, 8.0, 0.0], (30, 1)), seed=3)
+    runner = load(toy_bundle)
+    before = own_class_logit_mean(runner, one)
+    adapter = UnlabeledAdapter(runner, UnlabeledSettings(**{**OFF, "prototype_mix": 1.0}))
+    adapter.update(one)
+    X, y = balanced(20, seed=4)
+    assert accuracy(runner, X, y) == 1.0
+    assert own_class_logit_mean(runner, one) == pytest.approx(before, abs=0.05)
+
+
+def test_the_gate_refuses_an_adaptation_on_windows_of_one_class(toy_bundle):
+    """Every window adapted on is predicted as class 1: they may show one activity, not a sensor
+    shift, and the gate returns to the source model however stable the views (a mild gain on
+    class 1's channel keeps every view's class) and reports the share."""
+    X = windows(np.tile([0.0, 7.0, 0.0], (40, 1)), seed=5)
+    runner = load(toy_bundle)
+    result = runner.adapt_unlabeled(X, UnlabeledSettings(stats_prior_windows=0.0, stats_weighting="count",
+                                                         prototype_mix=0.0, gate_fraction=0.5))
+    assert not result.kept
+    assert result.gate.adapt_max_class_share == 1.0
+    assert any("predicted as one class" in r for r in result.gate.reasons), result.gate.reasons
 
 
 def test_reliable_entropy_steps_train_and_anchor_pulls_back(toy_bundle):
@@ -238,8 +274,10 @@ def test_gate_keeps_a_helpful_adaptation(toy_bundle):
     X, y = balanced(30)
     X[:, 2] += 1.5 * AMPLITUDE
     runner = load(toy_bundle)
-    # the source model calls every window class 2: two thirds change class, allowed here
-    gate = GateSettings(max_changed_fraction=0.8)
+    # the source model calls every window class 2: two thirds change class, allowed here; and
+    # windows all called one class cannot be told from one activity's (refused by default, see
+    # test_the_gate_refuses_an_adaptation_on_windows_of_one_class): that check is off here
+    gate = GateSettings(max_changed_fraction=0.8, label_shift_share=1.0)
     result = runner.adapt_unlabeled(X, UnlabeledSettings(stats_prior_windows=1.0, prototype_mix=0.0,
                                                          gate_settings=gate))
     assert result.kept and result.gate.kept and result.stages == ("stats",)
@@ -279,6 +317,20 @@ def test_gate_agreement_is_a_paired_comparison(lost, won, margin_sd, kept):
     assert kept or "view agreement" in decision.reasons[0]
 
 
+def test_gate_agreement_counts_windows_not_views():
+    """Two views lost on one window (it sits at a class boundary: its views flip together) are one
+    piece of evidence: net 2, standard deviation sqrt(2^2) = 2, kept; the same two views lost on
+    two windows: net 2 > sqrt(1 + 1), refused."""
+    classes = (0, 1, 2, 0, 1, 2, 0, 1)
+    source = ModelEvidence(1.0, 0.3, 0.375, classes, (True,) * 16)
+    one_window = tuple(i not in (0, 8) for i in range(16))   # window 0 in views 0 and 1
+    two_windows = tuple(i not in (0, 1) for i in range(16))  # windows 0 and 1 in view 0
+    assert agreement_loss(source, ModelEvidence(0.875, 0.3, 0.375, classes, one_window)) == (2, 2.0)
+    assert agreement_loss(source, ModelEvidence(0.875, 0.3, 0.375, classes, two_windows)) == (2, pytest.approx(2**0.5))
+    assert decide(source, ModelEvidence(0.875, 0.3, 0.375, classes, one_window), GateSettings()).kept
+    assert not decide(source, ModelEvidence(0.875, 0.3, 0.375, classes, two_windows), GateSettings()).kept
+
+
 @pytest.mark.parametrize("adapted, reason", [
     (evidence_of(0.99, 0.3, [0] * 20), "collapse"),
     (evidence_of(0.99, 0.001, [0, 1, 2, 1] * 5), "collapse"),
@@ -290,6 +342,20 @@ def test_gate_criteria(adapted, reason):
     decision = decide(source, adapted, GateSettings(max_changed_fraction=0.5))
     assert not decision.kept and any(reason in r for r in decision.reasons)
     assert decide(source, source, GateSettings()).kept
+
+
+@pytest.mark.parametrize("counts, share, kept", [
+    ([19, 1, 0], 0.95, False),   # nearly one class: refused
+    ([18, 2, 0], 0.9, True),     # at the limit (0.9): kept
+    ([7, 7, 6], 0.35, True),
+    ([0, 0, 0], None, True),     # nothing adapted on: no evidence either way
+])
+def test_gate_refuses_adaptation_on_nearly_one_class(counts, share, kept):
+    source = evidence_of(0.9, 0.3, [0, 1, 2, 0] * 5)
+    decision = decide(source, source, GateSettings(), np.array(counts))
+    assert decision.kept == kept and decision.adapt_max_class_share == share
+    assert kept or "predicted as one class" in decision.reasons[0]
+    assert decide(source, source, GateSettings(label_shift_share=1.0), np.array([20, 0, 0])).kept
 
 
 def test_evidence_and_views():
@@ -374,7 +440,7 @@ def test_stream_memory_does_not_grow(toy_bundle):
 
 def test_adapt_stream_matches_its_batches(toy_bundle):
     X, y = balanced(30)
-    X[:, 2] += 1.5 * AMPLITUDE
+    X[:, 2] += 0.9 * AMPLITUDE  # a shift the source model still gets right, which the statistics follow
     runner = load(toy_bundle)
     order = np.random.default_rng(0).permutation(len(X))
     result = runner.adapt_stream((X[order[i:i + 10]] for i in range(0, len(X), 10)),
@@ -468,7 +534,7 @@ def test_cli_prints_the_statistics_weight(tmp_path, toy_bundle, capsys):
     from edgeadapt.cli import main
 
     X, y = balanced(40)
-    X[:, 2] += 1.5 * AMPLITUDE
+    X[:, 2] += 0.9 * AMPLITUDE
     args = ["adapt", str(toy_bundle), "--data", str(_data_file(tmp_path, X, y)), "--out", str(tmp_path / "out"),
             "--unlabeled", "--device", "cpu"]
     assert main(args) == 0
