@@ -317,7 +317,6 @@ class UnlabeledAdapter:
         self._gate_source = None
         self._resets: deque[str] = deque(maxlen=MAX_RESETS_KEPT)
         self._n_resets = 0
-        self._class_counts: np.ndarray | None = None  # windows adapted on, per class predicted before the update
         self._steps = self._updates = self._n_adapt = 0
         self._start = time.perf_counter()
 
@@ -378,6 +377,7 @@ class UnlabeledAdapter:
         self._proto_sum: np.ndarray | None = None
         self._proto_n: np.ndarray | None = None
         self._entropy_applied = 0
+        self._class_counts: np.ndarray | None = None  # the summed windows, per class predicted before their update
 
     def _restore(self, names) -> None:
         for n in names:
@@ -589,7 +589,7 @@ class UnlabeledAdapter:
             return
         logits = self._logits(X)
         reference = evidence(logits, [])
-        # What the windows show, not what the model holds: kept across resets.
+        # which classes the summed windows show (the gate's label-shift check)
         counts = np.bincount(logits.argmax(axis=1), minlength=logits.shape[1])
         self._class_counts = counts if self._class_counts is None else self._class_counts + counts
         if self._stats_on:
@@ -627,10 +627,19 @@ class UnlabeledAdapter:
         return decide(self._gate_source, self._evidence(), self.settings.gate_settings, self._class_counts)
 
     def check_gate(self) -> bool:
-        """Ask the gate now; when it refuses, reset to the source model (recorded). True if kept."""
+        """Ask the gate now; when it refuses, reset to the source model (recorded). True if kept.
+
+        When its only objection is that the windows so far show nearly one class (a stream's
+        first bout of one activity), the runner holds the source model but the sums are kept: the
+        next batches may show the other activities, and the adaptation is then made from all the
+        windows seen (statistics and prototypes are functions of the sums)."""
         decision = self.gate()
         if decision is None or decision.kept or not self.stages():
             return True
+        share, limit = decision.adapt_max_class_share, self.settings.gate_settings.label_shift_share
+        if len(decision.reasons) == 1 and share is not None and share > limit:
+            self._restore(self._source)
+            return False
         self._resets.append(f"gate (update {self._updates}): " + "; ".join(decision.reasons))
         self._n_resets += 1
         self.reset()
@@ -711,7 +720,9 @@ def adapt_stream(runner, batches: Iterable[np.ndarray], settings: UnlabeledSetti
     kept from a batch once it is processed, so memory does not grow with the stream. The gate
     is asked after every batch that adapted: when it refuses, the runner returns to the source
     model and the sums start again (recorded in ``resets``), so the model held between batches
-    is one the gate accepted.
+    is one the gate accepted; when it refuses only because the windows so far show nearly one
+    class, the runner holds the source model and keeps the sums (the stream's next bouts may
+    show the other activities).
     """
     with AdaptPeaks() as peaks:
         adapter = UnlabeledAdapter(runner, settings)

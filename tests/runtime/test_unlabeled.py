@@ -450,6 +450,34 @@ def test_adapt_stream_matches_its_batches(toy_bundle):
     assert accuracy(runner, X, y) > 0.95
 
 
+def test_a_stream_of_bouts_holds_the_source_until_it_shows_several_classes(toy_bundle):
+    """A stream whose batches are bouts of one activity each: after the first bout the gate
+    objects only that the windows show one class, so the runner holds the source model and keeps
+    the sums; once the next bouts show other classes the statistics are those of every window
+    seen (count weighting, N0 = 1: w = 30 / 31 of the 30 windows' mean), with no reset."""
+    shift = np.array([0.0, 0.0, 0.9 * AMPLITUDE], np.float32)[None, :, None]
+    mixed, _ = balanced(4, seed=6)
+    bouts = [windows(np.tile(AMPLITUDE * np.eye(N_CLASSES)[c], (10, 1)), seed=7 + c) + shift
+             for c in range(N_CLASSES)]
+    runner = load(toy_bundle)
+    source_mean = runner._backend.get_tensor("bn.running_mean").copy()
+    adapter = UnlabeledAdapter(runner, UnlabeledSettings(stats_prior_windows=1.0, stats_weighting="count",
+                                                         prototype_mix=0.0, gate_windows=12))
+    adapter.update(mixed + shift)  # held back for the gate
+    adapter.update(bouts[0])
+    assert not adapter.check_gate()
+    np.testing.assert_array_equal(runner._backend.get_tensor("bn.running_mean"), source_mean)
+    for bout in bouts[1:]:
+        adapter.update(bout)
+        assert adapter.check_gate()
+    result = adapter.finish()
+    assert result.kept and result.n_resets == 0 and result.n_adapt_windows == 30
+    assert result.gate.adapt_max_class_share == pytest.approx(1 / 3)
+    seen = np.concatenate(bouts)
+    np.testing.assert_allclose(runner._backend.get_tensor("bn.running_mean"),
+                               30 / 31 * seen.mean(axis=(0, 2)), atol=1e-4)
+
+
 def test_settings_are_checked_and_round_trip():
     s = UnlabeledSettings(stats_prior_windows=32.0, prototype_mix=0.2)
     assert UnlabeledSettings.from_dict(s.to_dict()) == s
