@@ -39,19 +39,26 @@ def _folder(tmp_path):
     return tmp_path / "photos"
 
 
+def _adapt_refused(bundle, out, tmp_path, capsys, monkeypatch) -> str:
+    """Run ``edgeadapt adapt --out out`` with training stubbed out; assert it exits 2 without
+    training and return its stderr."""
+    X, y = make_data(np.random.default_rng(0), n=12)
+    np.savez(tmp_path / "d.npz", X=X.transpose(0, 2, 1), y=y, subject=np.ones(12, np.int64))
+    trained = []
+    monkeypatch.setattr(Runner, "adapt", lambda *a, **k: trained.append(1))
+    code = main(["adapt", str(bundle), "--data", str(tmp_path / "d.npz"), "--out", str(out), "--no-progress",
+                 "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and not trained, err
+    return err
+
+
 @pytest.mark.parametrize("target", ["file", "folder", "other bundle"])
 def test_adapt_refuses_an_unwritable_target_before_training(cnn_bundle, other_bundle, tmp_path, capsys, monkeypatch,
                                                              target):
     out = {"file": _file, "folder": _folder, "other bundle": lambda _: other_bundle}[target](tmp_path)
     before = sorted((p.name, p.read_bytes()) for p in ([out] if out.is_file() else out.iterdir()))
-    X, y = make_data(np.random.default_rng(0), n=12)
-    np.savez(tmp_path / "d.npz", X=X.transpose(0, 2, 1), y=y, subject=np.ones(12, np.int64))
-    trained = []
-    monkeypatch.setattr(Runner, "adapt", lambda *a, **k: trained.append(1))
-    code = main(["adapt", str(cnn_bundle), "--data", str(tmp_path / "d.npz"), "--out", str(out), "--no-progress",
-                 "--device", "cpu"])
-    err = capsys.readouterr().err
-    assert code == 2 and not trained, err
+    err = _adapt_refused(cnn_bundle, out, tmp_path, capsys, monkeypatch)
     assert err.startswith(f"error: {out} exists and is not a") and err.count("\n") == 1
     assert sorted((p.name, p.read_bytes()) for p in ([out] if out.is_file() else out.iterdir())) == before
 
@@ -59,14 +66,7 @@ def test_adapt_refuses_an_unwritable_target_before_training(cnn_bundle, other_bu
 def test_adapt_refuses_an_out_under_a_file_before_training(cnn_bundle, tmp_path, capsys, monkeypatch):
     notes = _file(tmp_path)
     out = notes / "runs" / "adapted"  # its folders cannot be made: notes.txt is a file
-    X, y = make_data(np.random.default_rng(0), n=12)
-    np.savez(tmp_path / "d.npz", X=X.transpose(0, 2, 1), y=y, subject=np.ones(12, np.int64))
-    trained = []
-    monkeypatch.setattr(Runner, "adapt", lambda *a, **k: trained.append(1))
-    code = main(["adapt", str(cnn_bundle), "--data", str(tmp_path / "d.npz"), "--out", str(out), "--no-progress",
-                 "--device", "cpu"])
-    err = capsys.readouterr().err
-    assert code == 2 and not trained, err
+    err = _adapt_refused(cnn_bundle, out, tmp_path, capsys, monkeypatch)
     assert err == (f"error: cannot create {out}: {notes} exists and is not a directory; "
                    "choose an output directory elsewhere\n")
     assert notes.read_text() == "mine"
