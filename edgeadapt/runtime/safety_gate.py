@@ -110,6 +110,7 @@ class GateDecision:
         n_windows: held-back windows the evidence is computed on.
         adapt_max_class_share: share of the windows adapted on given their most predicted class
             (by the model before each batch's update; ``None`` when not given).
+        only_label_shift: refused for that share alone (every other criterion passed).
     """
 
     kept: bool
@@ -119,6 +120,7 @@ class GateDecision:
     changed_fraction: float
     n_windows: int
     adapt_max_class_share: float | None = None
+    only_label_shift: bool = False
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -233,14 +235,16 @@ def decide(source: ModelEvidence, adapted: ModelEvidence, settings: GateSettings
         reasons.append(f"view agreement fell from {source.view_agreement:.3f} to {adapted.view_agreement:.3f} "
                        f"({lost} window-views lost, {won} won: net {net}, more than "
                        f"{settings.agreement_margin_sd:g} x its standard deviation {sd:.2f} over {n} windows)")
-    share = None
+    share, label_shift = None, False
     if adapt_class_counts is not None and np.sum(adapt_class_counts) > 0:
         share = float(np.max(adapt_class_counts) / np.sum(adapt_class_counts))
-        if share > settings.label_shift_share:
+        label_shift = share > settings.label_shift_share
+        if label_shift:
             reasons.append(f"{share:.0%} of the windows adapted on are predicted as one class: they may show one "
                            "activity, whose statistics would pull every class toward it; adapt on windows of "
                            "several activities")
     if changed > settings.max_changed_fraction:
         reasons.append(f"{changed:.0%} of held-back windows changed class (limit "
                        f"{settings.max_changed_fraction:.0%})")
-    return GateDecision(not reasons, tuple(reasons), source, adapted, changed, n, share)
+    return GateDecision(not reasons, tuple(reasons), source, adapted, changed, n, share,
+                        label_shift and len(reasons) == 1)

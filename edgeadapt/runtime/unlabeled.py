@@ -636,8 +636,7 @@ class UnlabeledAdapter:
         decision = self.gate()
         if decision is None or decision.kept or not self.stages():
             return True
-        share, limit = decision.adapt_max_class_share, self.settings.gate_settings.label_shift_share
-        if len(decision.reasons) == 1 and share is not None and share > limit:
+        if decision.only_label_shift:
             self._restore(self._source)
             return False
         self._resets.append(f"gate (update {self._updates}): " + "; ".join(decision.reasons))

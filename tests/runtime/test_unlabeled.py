@@ -354,8 +354,11 @@ def test_gate_refuses_adaptation_on_nearly_one_class(counts, share, kept):
     source = evidence_of(0.9, 0.3, [0, 1, 2, 0] * 5)
     decision = decide(source, source, GateSettings(), np.array(counts))
     assert decision.kept == kept and decision.adapt_max_class_share == share
+    assert decision.only_label_shift == (not kept)  # the one objection (views, classes unchanged)
     assert kept or "predicted as one class" in decision.reasons[0]
     assert decide(source, source, GateSettings(label_shift_share=1.0), np.array([20, 0, 0])).kept
+    both = decide(source, evidence_of(0.80, 0.3, [0, 1, 2, 0] * 5), GateSettings(), np.array([20, 0, 0]))
+    assert len(both.reasons) == 2 and not both.only_label_shift  # views lost too: not label shift alone
 
 
 def test_evidence_and_views():
