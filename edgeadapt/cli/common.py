@@ -79,15 +79,15 @@ def check_stored_windows(manifest, X, path: Path) -> None:
     as loaded (windows, channels, time steps) was stored (windows, time steps, channels). The
     message names the bundle's shape, the stored one, and the transpose when that is the fix."""
     from ..runtime.errors import InputError
-    from ..runtime.validate import describe_axes
+    from ..runtime.validate import describe_axes, fits_shape
 
     want = manifest.input.shape
-    if len(want) != 3 or X.ndim != 3 or all(w is None or w == g for w, g in zip(want[1:], X.shape[1:])):
+    if len(want) != 3 or X.ndim != 3 or fits_shape(want[1:], X.shape[1:]):
         return  # fits (or not a 1-D signal bundle: check_inputs tells)
     channels, steps = want[1:]
     stored = [X.shape[0], X.shape[2], X.shape[1]]
     needed = [X.shape[0], "time steps" if steps is None else steps, "channels" if channels is None else channels]
-    swapped = all(w is None or w == g for w, g in zip((channels, steps), stored[1:]))
+    swapped = fits_shape(want[1:], stored[1:])
     fix = ("it looks channels-first: save it transposed, np.savez(..., X=X.transpose(0, 2, 1))" if swapped
            else "window and transpose the data to match")
     raise InputError(f"{path}: X has shape {stored}, but a .npz file stores windows as (windows, time steps, "

@@ -12,7 +12,7 @@ from .errors import InputError
 from .finite import SQUARE_SAFE_LIMIT
 
 __all__ = ["check_inputs", "check_labels", "check_class_ids", "check_learning_rate", "check_int",
-           "describe_axes"]
+           "describe_axes", "fits_shape"]
 
 
 def check_learning_rate(lr: object, what: str = "lr") -> float:
@@ -58,10 +58,9 @@ def check_inputs(manifest: Manifest, x: np.ndarray, what: str = "X") -> np.ndarr
         raise InputError(f"{what} has dtype {x.dtype}, the bundle expects {spec.dtype}; "
                          f"convert with {what}.astype(np.{spec.dtype})")
     want = spec.shape
-    if x.ndim != len(want) or any(w is not None and w != g for w, g in zip(want, x.shape)):
+    if not fits_shape(want, x.shape):
         shown = ["batch" if w is None else w for w in want]
-        swapped = x.ndim == len(want) >= 3 and all(
-            w is None or w == g for w, g in zip(want, (*x.shape[:-2], x.shape[-1], x.shape[-2])))
+        swapped = len(want) >= 3 and fits_shape(want, (*x.shape[:-2], x.shape[-1], x.shape[-2]))
         fix = ("its last two axes are swapped: transpose them (x.transpose(0, 2, 1)); a .npz file stores X as "
                "(windows, time steps, channels)") if swapped else "window and transpose the data to match"
         raise InputError(f"{what} has shape {list(x.shape)}, the bundle expects {shown} {describe_axes(want)}; {fix}")
@@ -78,6 +77,11 @@ def check_inputs(manifest: Manifest, x: np.ndarray, what: str = "X") -> np.ndarr
             "statistics, the loss and the optimizer state; drop or clip those windows (a sensor glitch?) or "
             "normalise the data as the source model was trained")
     return native_contiguous(x)
+
+
+def fits_shape(want, shape) -> bool:
+    """Whether ``shape`` is the bundle's input shape ``want`` (``None``: any size on that axis)."""
+    return len(shape) == len(want) and all(w is None or w == g for w, g in zip(want, shape))
 
 
 def describe_axes(shape) -> str:
