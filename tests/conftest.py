@@ -65,16 +65,3 @@ def cnn_bundle(tmp_path_factory):
     export_bundle(make_cnn(), torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(0)), out, policy=policy,
                   cache_features=False)
     return out
-
-
-def pytest_collection_modifyitems(config, items):
-    """Skip `gpu` tests where the ONNX Runtime build has no CUDA provider (a test still skips
-    itself if the provider is built in but cannot create a session)."""
-    from edgeadapt.runtime.device import cuda_listed
-
-    if cuda_listed():
-        return
-    skip = pytest.mark.skip(reason="needs an ONNX Runtime build with a working CUDA provider")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)

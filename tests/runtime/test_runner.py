@@ -245,6 +245,7 @@ def test_threads_must_be_a_count(bundle):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not device_mod.cuda_listed(), reason="needs an ONNX Runtime build with a CUDA provider")
 def test_cuda_session_matches_cpu(bundle, rng):
     X, y = make_data(rng, n=8)
     try:
