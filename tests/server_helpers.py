@@ -60,16 +60,31 @@ def batches(kind: str, n: int, seed: int = 1, batch: int = 8):
     return out
 
 
-def reference_train(model: nn.Module, data, *, lr=1e-2, weight_decay=0.1, seed=123) -> nn.Module:
-    """Plain in-memory torch training: AdamW(foreach=True) on cross-entropy, on the model's device."""
+def reference_train(model: nn.Module, data, *, lr=1e-2, weight_decay=0.1, seed=123,
+                    update_on_cpu: bool = False) -> nn.Module:
+    """Plain in-memory torch training: AdamW(foreach=True) on cross-entropy, on the model's device.
+
+    ``update_on_cpu``: forward and backward on the model's device, AdamW on CPU master copies (what
+    the streaming trainer does on a GPU), so that the two differ only where their GPU kernels do.
+    """
     torch.manual_seed(seed)
     torch.cuda.manual_seed_all(seed)  # deferred until CUDA is initialised; nothing without it
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, foreach=True)
+    params = list(model.parameters())
+    masters = [p.detach().cpu().clone().requires_grad_() for p in params] if update_on_cpu else params
+    opt = torch.optim.AdamW(masters, lr=lr, weight_decay=weight_decay, foreach=True)
     for x, y in data:
         opt.zero_grad()
+        model.zero_grad(set_to_none=True)
         nn.functional.cross_entropy(model(x), y).backward()
+        if update_on_cpu:
+            for m, p in zip(masters, params):
+                m.grad = None if p.grad is None else p.grad.cpu()
         opt.step()
+        if update_on_cpu:
+            with torch.no_grad():
+                for m, p in zip(masters, params):
+                    p.copy_(m)
     return model
 
 

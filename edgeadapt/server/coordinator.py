@@ -139,22 +139,30 @@ class ResidencyCoordinator:
         bytes; each block's update comes after its backward, so no kept graph sees it change)."""
         return self.device.type == "cpu" and self.store.in_place()
 
-    def _load(self, slot: BlockSlot):
-        """Read the block's master weights into the compute tier (runs on the prefetch thread).
+    def _compute_buffer(self, slot: BlockSlot) -> torch.Tensor:
+        """The compute-tier vector the block's weights are read into (runs on the calling thread).
 
-        A block whose kept autograd graph still refers to its (emptied) weight storage gets the
-        weights back into that same storage; otherwise a new vector is allocated.
+        A block whose kept autograd graph still refers to its (emptied) weight storage gets that
+        same storage back; otherwise a new vector is allocated. Allocating here, on the thread that
+        enqueues the compute, keeps the caching allocator's stream order: memory just freed by that
+        stream is handed out only behind the kernels that last used it (see :meth:`_load`).
+        """
+        if slot.flat is not None:
+            slot.flat.untyped_storage().resize_(slot.weight_bytes)
+            return slot.flat
+        return torch.empty(slot.numel, dtype=torch.float32, device=self.device)
+
+    def _load(self, slot: BlockSlot, dst: torch.Tensor, ready):
+        """Read the block's master weights into ``dst`` (runs on the prefetch thread).
+
+        On a GPU the copy runs on a side stream. ``dst`` may be memory the compute stream freed
+        while kernels that read it were still queued, so the copy first waits for ``ready``, an
+        event recorded on the compute stream after ``dst`` was allocated: without that wait the
+        copy could overwrite a previous block's weights or activations under running kernels.
 
         Returns:
-            ``(flat, event)``: the weights and, on a GPU, the event that marks the copy done.
+            ``(dst, event)``: the weights and, on a GPU, the event that marks the copy done.
         """
-        refill = slot.flat is not None
-        if refill:
-            st = slot.flat.untyped_storage()
-            st.resize_(slot.weight_bytes)
-            dst = torch.empty(0, dtype=torch.float32, device=self.device).set_(st, 0, (slot.numel,))
-        else:
-            dst = torch.empty(slot.numel, dtype=torch.float32, device=self.device)
         ev = None
         with torch.no_grad():
             if self.device.type == "cpu":
@@ -164,11 +172,12 @@ class ResidencyCoordinator:
                 if not host.is_pinned():
                     host = host.pin_memory()
                 with torch.cuda.stream(self._copy_stream):
+                    self._copy_stream.wait_event(ready)
                     dst.copy_(host, non_blocking=True)
                     ev = torch.cuda.Event()
                     ev.record(self._copy_stream)
                 ev.synchronize()  # the pinned source must outlive the copy
-        return (slot.flat if refill else dst), ev
+        return dst, ev
 
     def prefetch(self, index: int) -> None:
         """Start bringing block ``index`` in (no-op unless offloaded)."""
@@ -182,8 +191,13 @@ class ResidencyCoordinator:
             slot.state = Residency.RESIDENT
             return
         self.ledger.reserve(f"weights:{slot.name}", slot.weight_bytes)
+        dst = self._compute_buffer(slot)
+        ready = None
+        if self.device.type != "cpu":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
         slot.state = Residency.INFLIGHT
-        slot.future = self._pool.submit(self._load, slot)
+        slot.future = self._pool.submit(self._load, slot, dst, ready)
 
     def acquire(self, index: int) -> BlockSlot:
         """Block ``index`` resident (waiting for its prefetch, or loading it now)."""

@@ -15,10 +15,10 @@ pytestmark = [pytest.mark.gpu,
 @pytest.mark.parametrize("offload,recompute", [("host", False), ("host", True), ("disk", "auto")])
 def test_cuda_offload_matches_plain_cuda_training(offload, recompute, tmp_path):
     data = [(x.cuda(), y.cuda()) for x, y in batches("mlp", 4, batch=64)]
-    ref = reference_train(make_mlp(width=256, depth=6).cuda(), data)
+    ref = reference_train(make_mlp(width=256, depth=6).cuda(), data, update_on_cpu=True)
     model = make_mlp(width=256, depth=6)
     state = 16 * sum(p.numel() for p in model.parameters())
-    budget = state // 4
+    budget = state // 2  # room for the whole batch: dropout draws the same masks as the reference's
     torch.manual_seed(123)
     torch.cuda.manual_seed_all(123)
     torch.cuda.synchronize()
@@ -27,6 +27,7 @@ def test_cuda_offload_matches_plain_cuda_training(offload, recompute, tmp_path):
     t = Trainer(model, optimizer={"name": "adamw", "lr": 1e-2, "weight_decay": 0.1}, memory_budget=budget,
                 offload=offload, offload_dir=tmp_path, device="cuda", recompute=recompute,
                 example_input=data[0][0])
+    assert t.plan.micro_batch_windows == 64  # micro-batches would draw their own dropout masks
     for x, y in data:
         t.step(x, y)
     torch.cuda.synchronize()
@@ -35,6 +36,6 @@ def test_cuda_offload_matches_plain_cuda_training(offload, recompute, tmp_path):
     # the inputs (held by the test) and CUDA's transient workspaces are not the trainer's: 25% slack
     assert gpu_peak <= 1.25 * budget + sum(x.numel() * 4 for x, _ in data)
     got, want = t.model().state_dict(), {k: v.cpu() for k, v in ref.state_dict().items()}
-    for k in want:  # same kernels on the device, CPU AdamW vs CUDA AdamW: rounding may differ
-        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)
+    for k in want:  # same GPU kernels and the same CPU AdamW: only float32 rounding of the kernels may differ
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5)
     t.close()

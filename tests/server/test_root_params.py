@@ -217,17 +217,18 @@ def test_edgeadapt_train_runs_the_transformer_with_its_positional_embedding(tmp_
 @pytest.mark.parametrize("offload", ["host", "disk"])
 def test_cuda_root_block_matches_plain_cuda_training(offload, tmp_path):
     data = [(x.cuda(), y.cuda()) for x, y in batches("mlp", 3, batch=32)]
-    ref = reference_train(make_root(width=128).cuda(), data)
+    ref = reference_train(make_root(width=128).cuda(), data, update_on_cpu=True)
     model = make_root(width=128)
-    budget = 4 * sum(p.numel() for p in model.parameters())  # a quarter of weights, gradients and AdamW state
+    budget = 8 * sum(p.numel() for p in model.parameters())  # half of weights, gradients and AdamW state
     torch.manual_seed(123)
     torch.cuda.manual_seed_all(123)
     t = Trainer(model, optimizer={"name": "adamw", "lr": 1e-2, "weight_decay": 0.1}, memory_budget=budget,
                 offload=offload, offload_dir=tmp_path, device="cuda", example_input=data[0][0])
+    assert t.plan.micro_batch_windows == 32  # micro-batches would draw their own dropout masks
     for x, y in data:
         t.step(x, y)
     assert t.tracked_peak_bytes <= budget
     got, want = t.model().state_dict(), {k: v.cpu() for k, v in ref.state_dict().items()}
-    for k in want:  # CPU AdamW vs CUDA AdamW: rounding may differ
-        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)
+    for k in want:  # same GPU kernels and the same CPU AdamW: only float32 rounding of the kernels may differ
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5)
     t.close()
