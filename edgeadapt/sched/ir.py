@@ -120,12 +120,18 @@ class Graph:
         params: every parameter; each is owned by exactly one op.
         input_bytes: bytes of one input window.
         name: a label for reports (the model's class name).
+        loss_saved_bytes: per window, what the training loss holds from the end of the forward
+            until the backward (its saved tensors); 0 when not measured.
+        loss_peak_bytes: per window, the most the loss holds at once, forward and backward (its
+            saved tensors, its backward's transients, the gradient it hands to the output).
     """
 
     ops: tuple[Op, ...]
     params: tuple[Param, ...]
     input_bytes: int
     name: str = "model"
+    loss_saved_bytes: int = 0
+    loss_peak_bytes: int = 0
     _op_index: dict[str, int] = field(init=False, repr=False, compare=False)
     _param_index: dict[str, Param] = field(init=False, repr=False, compare=False)
     _owner: dict[str, int] = field(init=False, repr=False, compare=False)
@@ -133,7 +139,8 @@ class Graph:
     def __post_init__(self) -> None:
         object.__setattr__(self, "ops", tuple(self.ops))
         object.__setattr__(self, "params", tuple(self.params))
-        _check_nonneg(f"graph {self.name!r}", input_bytes=self.input_bytes)
+        _check_nonneg(f"graph {self.name!r}", input_bytes=self.input_bytes, loss_saved_bytes=self.loss_saved_bytes,
+                      loss_peak_bytes=self.loss_peak_bytes)
         if not self.ops:
             raise ValueError(f"graph {self.name!r} has no ops")
         op_index: dict[str, int] = {}
@@ -209,10 +216,14 @@ class Graph:
                      # only when False: graphs without such ops serialise as before the field existed
                      **({} if o.differentiable else {"differentiable": False})}
                     for o in self.ops],
+            # only when measured: graphs without a loss serialise as before the fields existed
+            **({"loss_saved_bytes": self.loss_saved_bytes, "loss_peak_bytes": self.loss_peak_bytes}
+               if self.loss_peak_bytes else {}),
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Graph:
         return cls(ops=tuple(Op(**o) for o in d["ops"]),
                    params=tuple(Param(**{**p, "shape": tuple(p["shape"])}) for p in d["params"]),
-                   input_bytes=d["input_bytes"], name=d.get("name", "model"))
+                   input_bytes=d["input_bytes"], name=d.get("name", "model"),
+                   loss_saved_bytes=d.get("loss_saved_bytes", 0), loss_peak_bytes=d.get("loss_peak_bytes", 0))

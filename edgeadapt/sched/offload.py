@@ -71,7 +71,13 @@ step's input batch is held throughout):
   activations are released first); overlapping the next block's recompute, it also runs while
   block ``k - 1``'s weights come in and its saved activations are rebuilt (phase ``recompute``:
   the activations up to ``k - 1``, the rebuilt ones, the gradient flowing into ``k - 1``, its
-  weights and the prefetched ones, beside the update's gradients and staged state).
+  weights and the prefetched ones, beside the update's gradients and staged state);
+* the loss (phase ``loss``, when the graph measured it: ``Graph.loss_peak_bytes``): between the
+  forward and the last block's backward, every block's kept activations and the weights the
+  last forward prefetched, beside the most the loss holds while it runs forward and backward
+  (its saved tensors, its backward's transients, the gradient it hands to the output: for a
+  cross-entropy, three tensors of the logits' size); its saved tensors
+  (``Graph.loss_saved_bytes``) stay charged through every block's backward.
 
 Accumulated gradients (micro-batches > 1) live in the state's tier, beside the master weights
 (host memory or files on disk), never in the compute tier: what the compute tier holds of them
@@ -236,7 +242,8 @@ def block_costs(graph: Graph, batch_windows: int, *, optimizer: str = "adamw",
 
 
 def offload_peak(costs: list[BlockCost], recompute: list[bool], prefetch_depth: int, *,
-                 fixed_bytes: int, update_overlap: UpdateOverlap = UpdateOverlap.BACKWARD) -> Peak:
+                 fixed_bytes: int, update_overlap: UpdateOverlap = UpdateOverlap.BACKWARD,
+                 loss_saved_bytes: int = 0, loss_peak_bytes: int = 0) -> Peak:
     """The compute-tier peak of one step under the cost model in the module docstring.
 
     Args:
@@ -246,6 +253,10 @@ def offload_peak(costs: list[BlockCost], recompute: list[bool], prefetch_depth: 
         prefetch_depth: blocks brought in ahead of use.
         fixed_bytes: held throughout (buffers and the input batch).
         update_overlap: how far each block's update runs beside the next block's backward.
+        loss_saved_bytes: what the loss saves (a micro-batch's): held from the loss until the
+            backward is over (the trainer charges it as the ops outside the blocks' activations).
+        loss_peak_bytes: the most the loss holds at once while it runs forward and backward,
+            beside every block's activations (the phase ``loss``).
     """
     resident = [c for c in costs if c.resident]
     recompute = [r for c, r in zip(costs, recompute) if not c.resident]
@@ -264,6 +275,15 @@ def offload_peak(costs: list[BlockCost], recompute: list[bool], prefetch_depth: 
         phases["forward"] = max(phases["forward"], total)
         if total > best[0]:
             best = (total, f"forward:{c.name}")
+    if loss_peak_bytes and n:
+        # after the forward, before the last block's backward: every activation is held; the last
+        # block's forward prefetched the blocks after it in the backward's order (not itself)
+        ahead = w_upto[n - 1] - w_upto[max(0, n - prefetch_depth)]
+        total = fixed_bytes + act_upto[n] + ahead + loss_peak_bytes
+        phases["loss"] = total
+        if total > best[0]:
+            best = (total, "loss")
+    fixed_bytes += loss_saved_bytes  # the backward: the loss's saved tensors stay charged
     for k in range(n - 1, -1, -1):
         c = costs[k]
         ahead = w_upto[k] - w_upto[max(0, k - prefetch_depth)]
@@ -386,19 +406,22 @@ def plan_offload(graph: Graph, budget_bytes: int, *, batch_windows: int = 1, tie
                                      accumulate=mb < batch_windows, weights_in_place=weights_in_place)
         return cache[key]
 
+    def loss_of(mb: int) -> dict[str, int]:
+        return {"loss_saved_bytes": graph.loss_saved_bytes * mb, "loss_peak_bytes": graph.loss_peak_bytes * mb}
+
     def fit(mb: int, depth: int, chunk: int, overlap: UpdateOverlap) -> _Setting | None:
         """The plan of these knobs with the least recompute that fits, or None."""
         costs = costs_of(mb, chunk)
         n = len(costs)
         can = [not c.resident and c.saved_bytes > 0 for c in costs]
         rec = [bool(recompute is True or recompute == "auto") and x for x in can]
-        peak = offload_peak(costs, rec, depth, fixed_bytes=fixed, update_overlap=overlap)
+        peak = offload_peak(costs, rec, depth, fixed_bytes=fixed, update_overlap=overlap, **loss_of(mb))
         if peak.peak_bytes > budget_bytes:
             return None
         if recompute == "auto":
             for k in sorted((k for k in range(n) if rec[k]), key=lambda k: -costs[k].saved_bytes):
                 rec[k] = False
-                q = offload_peak(costs, rec, depth, fixed_bytes=fixed, update_overlap=overlap)
+                q = offload_peak(costs, rec, depth, fixed_bytes=fixed, update_overlap=overlap, **loss_of(mb))
                 if q.peak_bytes <= budget_bytes:
                     peak = q
                 else:
@@ -414,7 +437,7 @@ def plan_offload(graph: Graph, budget_bytes: int, *, batch_windows: int = 1, tie
             costs = costs_of(mb, chunks[-1])
             rec = [recompute in (True, "auto") and not c.resident and c.saved_bytes > 0 for c in costs]
             for overlap in OVERLAPS:
-                peak = offload_peak(costs, rec, 0, fixed_bytes=fixed, update_overlap=overlap)
+                peak = offload_peak(costs, rec, 0, fixed_bytes=fixed, update_overlap=overlap, **loss_of(mb))
                 out.append(_Setting(mb, 0, chunks[-1], tuple(rec), peak, overlap))
         return min(out, key=lambda s: (s.peak.peak_bytes, -s.micro_windows, OVERLAPS.index(s.overlap)))
 

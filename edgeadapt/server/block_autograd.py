@@ -23,7 +23,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from ..sched.plan import Plan
 from .coordinator import BlockSlot, ResidencyCoordinator, bind_parameters, storage_ptr
-from .residency import Residency
+from .residency import LOSS_KEY, Residency
 from .trace import nested_tensors
 from .updater import BlockUpdater
 
@@ -294,6 +294,7 @@ class _Call:
     def backward(self, ctx, grads):
         w, slot = self.wiring, self.slot
         res = w.residency
+        w.ledger.release(LOSS_KEY)  # the loss's backward is over once a block's backward starts
         res.acquire_in_order(slot.index, backward=True)
         need_in = [bool(n) for n in ctx.needs_input_grad[2:]]
         if self.recompute:

@@ -20,7 +20,7 @@ from enum import Enum
 from ..sched.errors import BudgetExceeded
 from ..units import format_bytes
 
-__all__ = ["Residency", "MemoryLedger"]
+__all__ = ["Residency", "MemoryLedger", "LOSS_KEY"]
 
 
 class Residency(str, Enum):
@@ -29,6 +29,11 @@ class Residency(str, Enum):
     RESIDENT = "resident"
     INFLIGHT = "inflight"
     OFFLOADED = "offloaded"
+
+
+LOSS_KEY = "loss"
+"""The ledger's key for the loss's backward transients (reserved by the trainer before the
+backward, released when the first block's backward starts)."""
 
 
 class MemoryLedger:

@@ -29,7 +29,7 @@ records (per window, i.e. per sample of the batch):
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +37,7 @@ from torch import nn
 
 from ..sched.ir import DTYPE_BYTES, Graph, Op, Param
 from ..sched.offload import RESIDENT_KIND
+from .loss_memory import TargetKind, loss_memory
 
 __all__ = ["Block", "find_blocks", "trace_graph", "BlockError", "ROOT_BLOCK", "nested_tensors"]
 
@@ -156,7 +157,8 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.Tensor],
-                blocks: list[Block] | None = None, *, param_shapes: dict[str, tuple[int, ...]] | None = None) -> Graph:
+                blocks: list[Block] | None = None, *, param_shapes: dict[str, tuple[int, ...]] | None = None,
+                loss_fn: Callable | None = None, target: torch.Tensor | TargetKind | None = None) -> Graph:
     """Trace ``model`` on the meta device and describe it as a block graph.
 
     Args:
@@ -166,6 +168,12 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
         blocks: the blocks, as :func:`find_blocks` returns them (computed if omitted).
         param_shapes: parameter shapes to trace with, when the module's own parameters no longer
             hold them (a model whose weights the trainer has moved out); float32 assumed.
+        loss_fn: the training loss ``fn(output, target)``: its bytes are measured on the meta
+            device (:func:`~edgeadapt.server.loss_memory.loss_memory`) into the graph's
+            ``loss_saved_bytes`` / ``loss_peak_bytes``; ``None``: not measured (0).
+        target: the batch's targets (shape and dtype), or their kind (``"class"`` ids or
+            ``"like"`` the output); ``None``: each kind is tried; a loss that takes neither is
+            left unmeasured.
 
     Returns:
         A :class:`Graph` with one op of kind ``"block"`` per streamed block, in execution
@@ -227,7 +235,7 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
     try:
         with torch.random.fork_rng(devices=[]), torch.enable_grad(), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            torch.func.functional_call(model, state, meta_inputs, strict=False)
+            out = torch.func.functional_call(model, state, meta_inputs, strict=False)
     finally:
         for h in handles:
             h.remove()
@@ -263,4 +271,7 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
                       flops=2 * numel * max(1, per(out_numel_per_ch[i])), module=b.name))
         prev = b.name
     input_bytes = -(-sum(_nbytes(t) for t in inputs if isinstance(t, torch.Tensor)) // batch)
-    return Graph(tuple(ops), tuple(params), input_bytes=input_bytes, name=type(model).__name__)
+    loss = loss_memory(loss_fn, out, target) if loss_fn is not None and isinstance(out, torch.Tensor) else None
+    return Graph(tuple(ops), tuple(params), input_bytes=input_bytes, name=type(model).__name__,
+                 loss_saved_bytes=per(loss.saved_bytes) if loss else 0,
+                 loss_peak_bytes=per(loss.peak_bytes) if loss else 0)

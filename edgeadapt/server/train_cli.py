@@ -292,10 +292,11 @@ def _print_plan(args: argparse.Namespace, budget: int | None, echo) -> int:
         raise ValueError("--plan-only plans the streaming trainer: give --offload host or disk")
     ctx = DistContext()  # one process: the plan of one rank's share of the global batch
     plan_args = argparse.Namespace(**{**vars(args), "hold_out_subject": None})  # writes no held-out files
-    model, source, _, _ = _build(plan_args, ctx)
-    example = source.batch(0)[0]
+    model, source, _, loss = _build(plan_args, ctx)
+    example, target = source.batch(0)[:2]
     plan = plan_training(model, example, offload=args.offload, memory_budget=budget, device=_device(args, ctx),
-                         recompute={"on": True, "off": False}.get(args.recompute, "auto"))
+                         recompute={"on": True, "off": False}.get(args.recompute, "auto"), loss=loss,
+                         example_target=target)
     state = 4 * sum(p.numel() for p in model.parameters())
     n_blocks = len(plan.activations)
     micro = plan.micro_batch_windows

@@ -46,9 +46,10 @@ from . import checkpoint as _ckpt
 from .allocator import DISK_MMAP_THRESHOLD_BYTES, set_mmap_threshold
 from .executor import StreamingExecutor
 from ..optimizer_config import OptimizerConfig
-from .residency import MemoryLedger
+from .residency import LOSS_KEY, MemoryLedger
 from .steps import InMemorySteps, StepStrategy, StreamedSteps
 from .store import DiskStore, HostStore
+from .loss_memory import TargetKind
 from .trace import Block, find_blocks, nested_tensors, trace_graph
 
 __all__ = ["Trainer", "resolve_device", "LOSSES", "offload_plan", "plan_training"]
@@ -60,6 +61,8 @@ LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "mse": nn.functional.mse_loss,
     "bce_with_logits": nn.functional.binary_cross_entropy_with_logits,
 }
+LOSS_TARGETS: dict[str, TargetKind] = {"cross_entropy": "class", "mse": "like", "bce_with_logits": "like"}
+"""The targets' kind of each built-in loss (the loss's memory is traced before targets are seen)."""
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -111,17 +114,33 @@ def offload_plan(graph: Graph, batch: int, *, budget_bytes: int | None, offload:
     return plan
 
 
+def resolve_loss(loss: str | Callable) -> tuple[str, Callable]:
+    """``(name, fn)`` of a loss given by name (a key of :data:`LOSSES`) or as ``fn(output, target)``
+    (named ``custom`` when the function has no name of its own that is a built-in's)."""
+    if isinstance(loss, str):
+        if loss not in LOSSES:
+            raise ValueError(f"loss must be one of {sorted(LOSSES)} or a callable, got {loss!r}")
+        return loss, LOSSES[loss]
+    name = getattr(loss, "__name__", "custom")
+    return ("custom" if name in LOSSES else name), loss
+
+
 def plan_training(model: nn.Module, example_input, *, offload: str = "host", memory_budget: int | str | None = None,
                   device: str = "auto", optimizer: str = "adamw", recompute: bool | str = "auto",
                   prefetch_depth: int = 1, update_chunk_numel: int | None = None,
-                  max_micro_batches: int | None = None) -> Plan:
-    """The plan ``Trainer(model, ..., example_input=example_input)`` would follow, without building
-    the trainer (no state is written; the model is not changed)."""
+                  max_micro_batches: int | None = None, loss: str | Callable = "cross_entropy",
+                  example_target: torch.Tensor | None = None) -> Plan:
+    """The plan ``Trainer(model, loss, ..., example_input=example_input)`` would follow for batches
+    like ``(example_input, example_target)``, without building the trainer (no state is written;
+    the model is not changed). ``example_target``: ``None`` guesses the targets' shape (see
+    :func:`~edgeadapt.server.trace.trace_graph`)."""
     if offload not in ("host", "disk"):
         raise ValueError(f"a plan is made for offload 'host' or 'disk', got {offload!r}")
     blocks = find_blocks(model)
     whole = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-    graph = trace_graph(model, example_input, blocks)
+    name, loss_fn = resolve_loss(loss)
+    graph = trace_graph(model, example_input, blocks, loss_fn=loss_fn,
+                        target=LOSS_TARGETS.get(name) if example_target is None else example_target)
     return offload_plan(graph, int(nested_tensors(example_input)[0].shape[0]),
                         budget_bytes=None if memory_budget is None else parse_bytes(memory_budget),
                         offload=offload, device=resolve_device(device), optimizer=optimizer, recompute=recompute,
@@ -196,12 +215,7 @@ class Trainer:
             raise ValueError("offload='disk' needs offload_dir, the folder for the state files")
         self.device = resolve_device(device)
         self.spec: OptimizerConfig = OptimizerConfig.coerce("adamw" if optimizer is None else optimizer)
-        if isinstance(loss, str):
-            if loss not in LOSSES:
-                raise ValueError(f"loss must be one of {sorted(LOSSES)} or a callable, got {loss!r}")
-            self.loss_name, self.loss_fn = loss, LOSSES[loss]
-        else:
-            self.loss_name, self.loss_fn = getattr(loss, "__name__", "custom"), loss
+        self.loss_name, self.loss_fn = resolve_loss(loss)
         self.offload, self.recompute, self.prefetch_depth = offload, recompute, int(prefetch_depth)
         if update_chunk_numel is not None and int(update_chunk_numel) < 1:
             raise ValueError(f"update_chunk_numel must be >= 1, got {update_chunk_numel}")
@@ -241,8 +255,12 @@ class Trainer:
         self._plans: dict[int, Plan] = {}
         model.train()
         self.buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+        # the loss's bytes are measured with targets of a known kind (a built-in loss), or again with
+        # the first batch's targets (a custom loss, whose targets were guessed)
+        self._loss_measured = self.loss_name in LOSS_TARGETS
         if example_input is not None:
-            self._graph = trace_graph(model, example_input, self.blocks)
+            self._graph = trace_graph(model, example_input, self.blocks, loss_fn=self.loss_fn,
+                                      target=LOSS_TARGETS.get(self.loss_name))
 
         self.executor: StreamingExecutor | None = None
         self.store = None
@@ -341,10 +359,8 @@ class Trainer:
         x = xs[0] if isinstance(x, torch.Tensor) else type(x)(xs)
         y = y.to(self.device)
         batch = int(xs[0].shape[0])
-        if self._graph is None:
-            with self._steps.tracing():
-                self._graph = trace_graph(self._model, x, self.blocks, param_shapes=self.param_shapes)
-            self.process_memory.open()  # the one-off trace is loading, not training: the baseline after it
+        if self._graph is None or not self._loss_measured:
+            self._trace(x, y)
         in_bytes = sum(t.numel() * t.element_size() for t in xs) + y.numel() * y.element_size()
         plan = self._plan_for(batch)
         micro = plan.micro_batch_windows if plan is not None else batch
@@ -357,6 +373,21 @@ class Trainer:
             self.ledger.release("input")
         self.step_count += 1
         return value
+
+    def _trace(self, x, y: torch.Tensor) -> None:
+        """Trace the model and its loss with the first batch (the loss with its real targets; a graph
+        traced from ``example_input`` had them guessed): plans made before are dropped if the loss's
+        bytes changed."""
+        first = self._graph is None
+        with self._steps.tracing():
+            graph = trace_graph(self._model, x, self.blocks, param_shapes=self.param_shapes, loss_fn=self.loss_fn,
+                                target=LOSS_TARGETS.get(self.loss_name, y))
+        if first or (graph.loss_saved_bytes, graph.loss_peak_bytes) != (self._graph.loss_saved_bytes,
+                                                                         self._graph.loss_peak_bytes):
+            self._graph, self._plans = graph, {}
+        self._loss_measured = True
+        if first:
+            self.process_memory.open()  # the one-off trace is loading, not training: the baseline after it
 
     def _run_parts(self, x, xs: list[torch.Tensor], y: torch.Tensor, parts: list[tuple[int, int]],
                    batch: int) -> float:
@@ -408,12 +439,18 @@ class Trainer:
                 raise FloatingPointError(f"loss became {value} at step {self.step_count + 1}; no update was applied. "
                                          "Lower the learning rate or check the data for extreme values")
             steps.before_backward()
+            if self._graph is not None and self.offload is not None:
+                # the loss's backward transients (its saved tensors are charged with the activations)
+                transient = self._graph.loss_peak_bytes - self._graph.loss_saved_bytes
+                self.ledger.reserve(LOSS_KEY, max(0, transient) * int(xs[0].shape[0]))
             loss.backward()
+            self.ledger.release(LOSS_KEY)
             self.process_memory.sample()
             del loss
             outside.clear()  # what autograd saved, released with the graph
             steps.after_backward()
         finally:
+            self.ledger.release(LOSS_KEY)
             steps.end()
         return value
 

@@ -1,0 +1,125 @@
+"""What the loss holds in the compute tier: its saved tensors and its backward's transients.
+
+The block graph (:func:`~edgeadapt.server.trace.trace_graph`) describes the model; the loss runs
+after it, between the forward and the backward. A cross-entropy over a large vocabulary holds
+several tensors of the logits' size at once (its log-probabilities, their gradient, the logits'
+gradient): on a GPT with 8192 tokens per window and a vocabulary of 8192 that is 4 x 32 MiB per
+window, more than a block's activations. :func:`loss_memory` measures it for any loss function
+by running it, forward and backward, on the meta device (no memory, no arithmetic) under
+:class:`LiveBytes`, which follows every tensor the ops create until it is freed.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["LiveBytes", "LossMemory", "TargetKind", "loss_memory", "meta_targets"]
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the storages created by ops while the mode is active, live now and at most.
+
+    A storage counts from the op that creates it until the last tensor on it is freed (weak
+    references' finalizers); views, detached aliases and in-place results share a storage and
+    do not count again, nor do storages that existed before (the inputs).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._live: dict[int, list[int]] = {}  # storage -> [bytes, tensors on it]
+        self.now_bytes = 0
+        self.peak_bytes = 0
+
+    def _drop(self, key: int) -> None:
+        entry = self._live[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._live[key]
+            self.now_bytes -= entry[0]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = t.untyped_storage()._cdata
+            if key not in self._live:
+                if key in given:  # an alias of a tensor from before
+                    continue
+                self._live[key] = [t.untyped_storage().nbytes(), 0]
+                self.now_bytes += self._live[key][0]
+                self.peak_bytes = max(self.peak_bytes, self.now_bytes)
+            self._live[key][1] += 1
+            weakref.finalize(t, self._drop, key)
+        return out
+
+
+@dataclass(frozen=True)
+class LossMemory:
+    """The loss's bytes for one batch.
+
+    Attributes:
+        saved_bytes: held from the end of the forward until the backward frees it (what the
+            loss saved for its backward, and its value).
+        peak_bytes: the most held at once while the loss runs forward and backward (the
+            saved bytes included, and the gradient it hands to the model's output).
+    """
+
+    saved_bytes: int
+    peak_bytes: int
+
+
+TargetKind = Literal["class", "like"]
+"""How a loss's targets are shaped: ``"class"``, class ids (the output without its last
+dimension, as cross-entropy takes them); ``"like"``, a tensor like the output (regression)."""
+
+
+def meta_targets(output: torch.Tensor, kind: TargetKind | None = None) -> list[torch.Tensor]:
+    """Meta targets of ``kind`` for ``output``; ``None``: both kinds, class ids first."""
+    shaped = {"class": lambda: torch.zeros(output.shape[:-1], dtype=torch.long, device="meta"),
+              "like": lambda: torch.empty_like(output, device="meta")}
+    return [shaped[k]() for k in ((kind,) if kind else ("class", "like"))]
+
+
+def loss_memory(loss_fn: Callable, output: torch.Tensor,
+                target: torch.Tensor | TargetKind | None = None) -> LossMemory | None:
+    """Run ``loss_fn(output, target)`` and its backward on the meta device and measure its bytes.
+
+    Args:
+        loss_fn: the training loss, called as ``loss_fn(output, target)``.
+        output: the model's output (any device; only its shape and dtype are used).
+        target: the targets (shape and dtype used), or their kind (:data:`TargetKind`);
+            ``None``: each kind is tried (:func:`meta_targets`).
+
+    Returns:
+        The loss's bytes, or ``None`` when the loss cannot run on the meta device with these
+        targets (the trainer then measures it again with the first batch's targets).
+    """
+    out = torch.empty(output.shape, dtype=output.dtype, device="meta", requires_grad=True)
+    if isinstance(target, torch.Tensor):
+        candidates = [torch.empty(target.shape, dtype=target.dtype, device="meta")]
+    else:
+        candidates = meta_targets(out, target)
+    for y in candidates:
+        mode = LiveBytes()
+        try:
+            with torch.enable_grad(), warnings.catch_warnings(), mode:
+                warnings.simplefilter("ignore")  # a guessed target may broadcast
+                loss = loss_fn(out, y)
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+                    continue
+                saved = mode.now_bytes
+                loss.backward()
+                del loss
+        except Exception:  # the loss refuses these targets (or the meta device): try the next
+            continue
+        return LossMemory(saved, mode.peak_bytes)
+    return None
