@@ -118,7 +118,7 @@ class Graph:
     Attributes:
         ops: execution order; every ``inputs`` name refers to an earlier op.
         params: every parameter; each is owned by exactly one op.
-        input_bytes: bytes of one input window.
+        input_bytes: bytes of one input window (with its targets, when the graph measured the loss).
         name: a label for reports (the model's class name).
         loss_saved_bytes: per window, what the training loss holds from the end of the forward
             until the backward (its saved tensors); 0 when not measured.

@@ -278,7 +278,7 @@ def offload_peak(costs: list[BlockCost], recompute: list[bool], prefetch_depth: 
     if loss_peak_bytes and n:
         # after the forward, before the last block's backward: every activation is held; the last
         # block's forward prefetched the blocks after it in the backward's order (not itself)
-        ahead = w_upto[n - 1] - w_upto[max(0, n - prefetch_depth)]
+        ahead = w_upto[n - 1] - w_upto[max(0, min(n - 1, n - prefetch_depth))]
         total = fixed_bytes + act_upto[n] + ahead + loss_peak_bytes
         phases["loss"] = total
         if total > best[0]:

@@ -71,10 +71,12 @@ class LossMemory:
             loss saved for its backward, and its value).
         peak_bytes: the most held at once while the loss runs forward and backward (the
             saved bytes included, and the gradient it hands to the model's output).
+        target_bytes: the targets' own bytes (held with the input batch for the whole step).
     """
 
     saved_bytes: int
     peak_bytes: int
+    target_bytes: int
 
 
 TargetKind = Literal["class", "like"]
@@ -121,5 +123,5 @@ def loss_memory(loss_fn: Callable, output: torch.Tensor,
                 del loss
         except Exception:  # the loss refuses these targets (or the meta device): try the next
             continue
-        return LossMemory(saved, mode.peak_bytes)
+        return LossMemory(saved, mode.peak_bytes, y.untyped_storage().nbytes())
     return None

@@ -46,7 +46,8 @@ class StepStrategy(Protocol):
     def plan(self) -> Plan | None: ...
     def prepare(self, plan: Plan | None, micro_count: int) -> None: ...
     def begin(self, micro: int, micro_count: int) -> None: ...
-    def charge(self, outside: list[torch.Tensor], outputs: list[torch.Tensor], loss: torch.Tensor) -> None: ...
+    def charge(self, outside: list[torch.Tensor], outputs: list[torch.Tensor], loss: torch.Tensor,
+               batch: list[torch.Tensor]) -> None: ...
     def before_backward(self) -> None: ...
     def blocks_updated(self) -> int: ...
     def after_backward(self) -> None: ...
@@ -108,10 +109,13 @@ class InMemorySteps:
     def begin(self, micro: int, micro_count: int) -> None:
         pass
 
-    def charge(self, outside: list[torch.Tensor], outputs: list[torch.Tensor], loss: torch.Tensor) -> None:
-        """Charge what autograd saved and the outputs as activations (the parameters are weights)."""
+    def charge(self, outside: list[torch.Tensor], outputs: list[torch.Tensor], loss: torch.Tensor,
+               batch: list[torch.Tensor]) -> None:
+        """Charge what autograd saved and the outputs as activations (the parameters are weights,
+        the batch's inputs and targets are the input)."""
         seen: dict[int, int] = {}
         params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        params |= {t.untyped_storage().data_ptr() for t in batch}
         for t in outside + outputs:
             ptr = t.untyped_storage().data_ptr()
             if ptr and ptr not in params:
@@ -217,8 +221,12 @@ class StreamedSteps:
     def begin(self, micro: int, micro_count: int) -> None:
         self.executor.begin_step(micro=micro, micro_count=micro_count)
 
-    def charge(self, outside: list[torch.Tensor], outputs: list[torch.Tensor], loss: torch.Tensor) -> None:
-        """Charge what the ops between blocks saved, the outputs and the loss (each storage once)."""
+    def charge(self, outside: list[torch.Tensor], outputs: list[torch.Tensor], loss: torch.Tensor,
+               batch: list[torch.Tensor]) -> None:
+        """Charge what the ops between blocks saved, the outputs and the loss (each storage once;
+        the batch's inputs and targets, which the loss may save, are charged as the input)."""
+        for t in batch:
+            self.executor.residency.mark_charged(t)
         self.executor.charge_activations("outside", outside + outputs + [loss])
 
     def before_backward(self) -> None:

@@ -270,8 +270,10 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
                       workspace_bytes=per(out_bytes[i]),
                       flops=2 * numel * max(1, per(out_numel_per_ch[i])), module=b.name))
         prev = b.name
-    input_bytes = -(-sum(_nbytes(t) for t in inputs if isinstance(t, torch.Tensor)) // batch)
     loss = loss_memory(loss_fn, out, target) if loss_fn is not None and isinstance(out, torch.Tensor) else None
+    # the step holds its input batch and, when the loss was measured, its targets throughout
+    batch_bytes = sum(_nbytes(t) for t in inputs if isinstance(t, torch.Tensor))
+    input_bytes = per(batch_bytes + (loss.target_bytes if loss else 0))
     return Graph(tuple(ops), tuple(params), input_bytes=input_bytes, name=type(model).__name__,
                  loss_saved_bytes=per(loss.saved_bytes) if loss else 0,
                  loss_peak_bytes=per(loss.peak_bytes) if loss else 0)

@@ -431,7 +431,7 @@ class Trainer:
                 loss = self.loss_fn(out, y)
                 if scale is not None:
                     loss = loss * scale
-            steps.charge(outside, nested_tensors(out), loss)
+            steps.charge(outside, nested_tensors(out), loss, [*xs, y])
             self.process_memory.sample()  # the end of the forward: every activation is held
             del out
             value = float(loss.detach())

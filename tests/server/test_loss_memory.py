@@ -71,6 +71,10 @@ def test_the_plan_holds_the_loss_beside_every_activation():
     acts = sum(c.output_bytes + c.saved_bytes for c in costs if not c.resident)
     assert with_loss.phases_bytes["loss"] >= fixed + acts + graph.loss_peak_bytes * 8
     assert with_loss.peak_bytes > without.peak_bytes
+    no_prefetch = offload_peak(costs, keep, 0, fixed_bytes=fixed, loss_peak_bytes=graph.loss_peak_bytes * 8)
+    assert no_prefetch.phases_bytes["loss"] == fixed + acts + graph.loss_peak_bytes * 8  # nothing prefetched
+    # the step holds the targets (a token id per position) beside the input
+    assert graph.input_bytes == 2 * 32 * 8
     assert graph.loss_saved_bytes > 0 and graph.to_dict()["loss_peak_bytes"] == graph.loss_peak_bytes
     # a budget that fitted the whole batch before the loss was counted now splits it
     plain = plan_training(model, x, offload="host", memory_budget=None, device="cpu", loss=token_cross_entropy,
