@@ -271,6 +271,9 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
                       flops=2 * numel * max(1, per(out_numel_per_ch[i])), module=b.name))
         prev = b.name
     loss = loss_memory(loss_fn, out, target) if loss_fn is not None and isinstance(out, torch.Tensor) else None
+    if loss_fn is not None and loss is None and isinstance(target, torch.Tensor):
+        log.warning("the loss could not run on the meta device with the batch's targets (or the model's output is "
+                    "not one tensor): its memory is not in the plan, so leave room for it in the budget")
     # the step holds its input batch and, when the loss was measured, its targets throughout
     batch_bytes = sum(_nbytes(t) for t in inputs if isinstance(t, torch.Tensor))
     input_bytes = per(batch_bytes + (loss.target_bytes if loss else 0))

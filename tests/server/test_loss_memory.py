@@ -113,6 +113,16 @@ def test_the_ledger_holds_the_loss_transients_until_the_first_block_backward(tmp
     t.close()
 
 
+def test_a_loss_the_meta_device_cannot_run_is_named(caplog):
+    def needs_values(out, target):
+        return out.sum() * float(target.float().mean())  # reads a value: impossible on the meta device
+
+    x, y = batches("mlp", 1, batch=8)[0]
+    with caplog.at_level("WARNING"):
+        graph = trace_graph(make_mlp(width=16, depth=2), x, loss_fn=needs_values, target=y)
+    assert graph.loss_peak_bytes == 0 and "its memory is not in the plan" in caplog.text
+
+
 def test_a_custom_loss_is_measured_again_with_the_first_batch(tmp_path):
     data = batches("mlp", 1, batch=8)
 
