@@ -115,9 +115,12 @@ def run_offloaded(args, tier: str, batches) -> dict:
                           device=args.device, recompute="auto", example_input=batches[0][0])
         setup_s = time.perf_counter() - t0
         time_s, losses = _timed(args, functools.partial(_trainer_step, trainer), batches, args.warmup)
+        plan = trainer.plan
         out = {"tier": tier, "setup_s": setup_s, "time_s": time_s, "losses": losses,
                "tokens_per_s": args.steps * args.batch_size * args.context_len / time_s,
                "tracked_peak_bytes": int(trainer.tracked_peak_bytes),
+               "predicted_peak_bytes": int(plan.predicted.peak_bytes), "predicted_where": plan.predicted.where,
+               "micro_batch_windows": plan.micro_batch_windows, "recomputed_blocks": len(plan.recomputed),
                "max_memory_allocated_bytes": _max_allocated(args)}
         close = getattr(trainer, "close", None)
         if close:
@@ -200,15 +203,20 @@ def main() -> int:
         base = {"tier": "in-memory", "error": f"OutOfMemoryError: {e}"}
     runs.append(base)
     print()
-    print("| run | tokens/s | vs in-memory | tracked peak | max_memory_allocated | budget |")
-    print("|---|---|---|---|---|---|")
+    print("| run | tokens/s | vs in-memory | plan: micro-batch, recomputed, predicted peak | tracked peak "
+          "| max_memory_allocated | budget |")
+    print("|---|---|---|---|---|---|---|")
     for r in runs:
         if "error" in r:
-            print(f"| {r['tier']} | failed: {r['error'][:120]} | | | | |")
+            print(f"| {r['tier']} | failed: {r['error'][:120]} | | | | | |")
             continue
         ratio = (f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if "tokens_per_s" in base else "n/a")
         tracked = f"{r['tracked_peak_bytes'] / GIB:.3f} GiB" if "tracked_peak_bytes" in r else "-"
-        print(f"| {r['tier']} | {r['tokens_per_s']:,.0f} | {ratio} | {tracked} | "
+        plan = "-"
+        if "predicted_where" in r:
+            plan = (f"{r['micro_batch_windows']} windows, {r['recomputed_blocks']} blocks, "
+                    f"{r['predicted_peak_bytes'] / GIB:.3f} GiB at {r['predicted_where']}")
+        print(f"| {r['tier']} | {r['tokens_per_s']:,.0f} | {ratio} | {plan} | {tracked} | "
               f"{r['max_memory_allocated_bytes'] / GIB:.3f} GiB | {budget / GIB:.2f} GiB |")
         if "tokens_per_s" in base:
             r["ratio_vs_in_memory"] = r["tokens_per_s"] / base["tokens_per_s"]
