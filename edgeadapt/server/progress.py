@@ -16,13 +16,17 @@ __all__ = ["TrainProgress", "memory_fields"]
 def memory_fields(trainer) -> dict[str, str]:
     """The memory a run reports, by name: ``peak`` (the tracked compute-tier peak, of the budget
     when there is one), ``process`` (the process's anonymous peak over the loaded trainer,
-    :attr:`~edgeadapt.server.Trainer.process_peak_bytes`, where it can be read), the bytes kept in
+    :attr:`~edgeadapt.server.Trainer.process_peak_bytes`, where it can be read), on a GPU ``gpu
+    allocated`` (:attr:`~edgeadapt.server.Trainer.gpu_peak_bytes`), the bytes kept in
     host memory and on disk, and with ZeRO-1 this rank's optimizer state."""
     budget = getattr(trainer, "budget_bytes", None)
     fields = {"peak": format_bytes(trainer.tracked_peak_bytes) + (f" of {format_bytes(budget)}" if budget else "")}
     process = getattr(trainer, "process_peak_bytes", None)
     if process is not None:
         fields["process"] = f"+{format_bytes(process)}"
+    gpu = getattr(trainer, "gpu_peak_bytes", None)
+    if gpu is not None:
+        fields["gpu allocated"] = f"+{format_bytes(gpu)}"
     try:
         tiers = trainer.residency()["tiers"]
     except (AttributeError, NotImplementedError):

@@ -8,6 +8,7 @@ Typical use::
     loss = t.step(x, y)               # one optimizer step
     t.tracked_peak_bytes              # most bytes ever held in the compute tier
     t.process_peak_bytes              # the process's anonymous memory at its highest, over the loaded trainer
+    t.gpu_peak_bytes                  # on a GPU: the CUDA allocator's peak over the loaded trainer
     t.save_checkpoint("runs/x/ckpt")  # atomic, resumable with Trainer.resume
 
 With ``offload="host"`` or ``"disk"`` the :class:`~edgeadapt.server.executor.StreamingExecutor`
@@ -44,6 +45,7 @@ from ..sched.plan import Plan
 from ..units import format_bytes, parse_bytes
 from . import checkpoint as _ckpt
 from .allocator import DISK_MMAP_THRESHOLD_BYTES, set_mmap_threshold
+from .device_memory import CudaAllocatedPeak
 from .executor import StreamingExecutor
 from ..optimizer_config import OptimizerConfig
 from .residency import LOSS_KEY, MemoryLedger
@@ -267,6 +269,7 @@ class Trainer:
         # the process's RssAnon sampled at block boundaries (process_peak_bytes); its baseline is
         # taken once the state is loaded
         self.process_memory = AnonHighWater()
+        self.gpu_memory = CudaAllocatedPeak(self.device)  # the allocator's own peak, on a GPU run
         self._steps: StepStrategy
         if offload is None:
             self._steps = InMemorySteps(model, self.blocks, self.spec, self.ledger, self.device,
@@ -303,7 +306,7 @@ class Trainer:
                         mod._buffers[name] = b.to(self.device)
             self.ledger.reserve("buffers", self.buffer_bytes)
             self._steps = StreamedSteps(model, self.blocks, self.spec, self.executor, self.store, self.sharding)
-        self.process_memory.open()
+        self._open_baselines()
 
     # ---- planning ---------------------------------------------------------------------
     def _first_batch(self) -> int:
@@ -387,7 +390,11 @@ class Trainer:
             self._graph, self._plans = graph, {}
         self._loss_measured = True
         if first:
-            self.process_memory.open()  # the one-off trace is loading, not training: the baseline after it
+            self._open_baselines()  # the one-off trace is loading, not training: the baseline after it
+
+    def _open_baselines(self) -> None:
+        self.process_memory.open()
+        self.gpu_memory.open()
 
     def _run_parts(self, x, xs: list[torch.Tensor], y: torch.Tensor, parts: list[tuple[int, int]],
                    batch: int) -> float:
@@ -492,6 +499,14 @@ class Trainer:
         caller's allocations. ``None`` where the process's memory cannot be read (not Linux)."""
         probe = self.process_memory
         return probe.delta_bytes if probe.available else None
+
+    @property
+    def gpu_peak_bytes(self) -> int | None:
+        """On a GPU run, the CUDA caching allocator's peak of allocated bytes over what it held when
+        the trainer had loaded the model's state (torch.cuda's peak statistics are reset then).
+        Unlike :attr:`tracked_peak_bytes` it counts every tensor on the device: library
+        workspaces (cuBLAS's), kernels' temporaries, the caller's tensors. ``None`` on the CPU."""
+        return self.gpu_memory.delta_bytes
 
     @property
     def shards_optimizer_state(self) -> bool:

@@ -7,6 +7,7 @@ import torch
 from server_helpers import batches, make_mlp, reference_train
 
 from edgeadapt.server import Trainer
+from edgeadapt.server.progress import memory_fields
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA build of torch and a GPU")]
@@ -35,6 +36,9 @@ def test_cuda_offload_matches_plain_cuda_training(offload, recompute, tmp_path):
     assert t.tracked_peak_bytes <= budget
     # the inputs (held by the test) and CUDA's transient workspaces are not the trainer's: 25% slack
     assert gpu_peak <= 1.25 * budget + sum(x.numel() * 4 for x, _ in data)
+    # the trainer's own figure: over what it held once loaded (the inputs were on the GPU before)
+    assert t.gpu_peak_bytes is not None and 0 < t.gpu_peak_bytes <= gpu_peak
+    assert memory_fields(t)["gpu allocated"].startswith("+")
     got, want = t.model().state_dict(), {k: v.cpu() for k, v in ref.state_dict().items()}
     for k in want:  # same GPU kernels and the same CPU AdamW: only float32 rounding of the kernels may differ
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5)

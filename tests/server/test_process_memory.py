@@ -113,6 +113,7 @@ def test_the_trainer_reports_the_process_peak_beside_the_tracked_one(offload, tm
         fields = memory_fields(t)
         assert fields["peak"].endswith("of 4.00 MiB") and fields["process"].startswith("+")
         assert ("disk" in fields) == (offload == "disk") and ("host" in fields) == (offload == "host")
+        assert t.gpu_peak_bytes is None and "gpu allocated" not in fields  # a CPU run has no GPU allocator
 
 
 def test_a_bad_mmap_threshold_is_refused(tmp_path):
