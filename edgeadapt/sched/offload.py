@@ -311,6 +311,8 @@ def offload_peak(costs: list[BlockCost], recompute: list[bool], prefetch_depth: 
         phases["update"] = max(phases.get("update", 0), total)
         if total > best[0]:
             best = (total, f"update:{max(resident, key=lambda c: c.staging_bytes).name}")
+    in_order = ("forward", "loss", "backward")  # the step's order, for reports
+    phases = {k: phases[k] for k in in_order if k in phases} | {k: v for k, v in phases.items() if k not in in_order}
     return Peak(best[0], best[1], phases)
 
 

@@ -315,6 +315,7 @@ def _print_plan(args: argparse.Namespace, budget: int | None, echo) -> int:
         echo(f"    {name}: {action.value}")
     echo(f"  predicted peak: {format_bytes(plan.predicted.peak_bytes)}"
          + (f" of {format_bytes(budget)}" if budget else "") + f" at {plan.predicted.where}")
+    echo("  by phase: " + ", ".join(f"{phase} {format_bytes(v)}" for phase, v in plan.predicted.phases_bytes.items()))
     return 0
 
 

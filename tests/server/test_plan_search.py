@@ -333,7 +333,7 @@ def test_train_plan_only_prints_the_plan_and_writes_nothing(tmp_path, capsys):
     assert main([*args, "--memory-budget", "3MiB"]) == 0
     out = capsys.readouterr().out
     for field in ("tiers:", "micro-batches:", "prefetch depth:", "update chunk:", "update: each update overlapping",
-                  "recompute:", "predicted peak:", "blocks.0:"):
+                  "recompute:", "predicted peak:", "blocks.0:", "by phase: forward", ", loss ", ", backward "):
         assert field in out
     assert "of 3.00 MiB" in out and not run.exists()
     assert main([*args, "--memory-budget", "100KiB"]) == 2
