@@ -148,8 +148,11 @@ class ResidencyCoordinator:
         stream is handed out only behind the kernels that last used it (see :meth:`_load`).
         """
         if slot.flat is not None:
-            slot.flat.untyped_storage().resize_(slot.weight_bytes)
-            return slot.flat
+            st = slot.flat.untyped_storage()
+            st.resize_(slot.weight_bytes)
+            # a new tensor on the same storage: the copy into it leaves the version counter of the
+            # weights the kept graph saved untouched
+            return torch.empty(0, dtype=torch.float32, device=self.device).set_(st, 0, (slot.numel,))
         return torch.empty(slot.numel, dtype=torch.float32, device=self.device)
 
     def _load(self, slot: BlockSlot, dst: torch.Tensor, ready):
@@ -161,7 +164,8 @@ class ResidencyCoordinator:
         copy could overwrite a previous block's weights or activations under running kernels.
 
         Returns:
-            ``(dst, event)``: the weights and, on a GPU, the event that marks the copy done.
+            ``(dst, event)``: the weights (for a refill, a tensor on the block's own storage) and,
+            on a GPU, the event that marks the copy done.
         """
         ev = None
         with torch.no_grad():
@@ -190,12 +194,17 @@ class ResidencyCoordinator:
                 slot.leaves = [v.requires_grad_() for v in slot.views(slot.flat)]
             slot.state = Residency.RESIDENT
             return
-        self.ledger.reserve(f"weights:{slot.name}", slot.weight_bytes)
-        dst = self._compute_buffer(slot)
-        ready = None
-        if self.device.type != "cpu":
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
+        key = f"weights:{slot.name}"
+        self.ledger.reserve(key, slot.weight_bytes)
+        try:
+            dst = self._compute_buffer(slot)
+            ready = None
+            if self.device.type != "cpu":
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(self.device))
+        except BaseException:  # out of memory: nothing is in flight, so nothing else would release it
+            self.ledger.release(key)
+            raise
         slot.state = Residency.INFLIGHT
         slot.future = self._pool.submit(self._load, slot, dst, ready)
 

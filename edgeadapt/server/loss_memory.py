@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["LiveBytes", "LossMemory", "TargetKind", "loss_memory", "meta_targets"]
+__all__ = ["LiveBytes", "LossMemory", "TargetKind", "loss_memory", "loss_memory_per_window", "meta_targets"]
 
 
 class LiveBytes(TorchDispatchMode):
@@ -125,3 +125,23 @@ def loss_memory(loss_fn: Callable, output: torch.Tensor,
             continue
         return LossMemory(saved, mode.peak_bytes, y.untyped_storage().nbytes())
     return None
+
+
+def loss_memory_per_window(loss_fn: Callable, output: torch.Tensor, target: torch.Tensor | TargetKind | None,
+                           batch: int) -> LossMemory | None:
+    """The loss's bytes per window, an upper bound for a micro-batch of any size.
+
+    Measured on the whole batch (divided by ``batch``, rounded up) and on its first window alone,
+    each figure the larger of the two: what does not grow with the batch (the loss value, a
+    reduction's weight sum) is then counted once per window, never divided away.
+    """
+    whole = loss_memory(loss_fn, output, target)
+    if whole is None:
+        return None
+    per = lambda v: -(-v // batch)  # noqa: E731
+    one = None
+    if batch > 1 and output.dim() and output.shape[0] == batch:
+        first = target[:1] if isinstance(target, torch.Tensor) and target.dim() and target.shape[0] == batch else target
+        one = loss_memory(loss_fn, output[:1], first)
+    return LossMemory(*(max(per(getattr(whole, f)), getattr(one, f) if one else 0)
+                        for f in ("saved_bytes", "peak_bytes", "target_bytes")))

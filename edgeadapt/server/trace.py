@@ -37,7 +37,7 @@ from torch import nn
 
 from ..sched.ir import DTYPE_BYTES, Graph, Op, Param
 from ..sched.offload import RESIDENT_KIND
-from .loss_memory import TargetKind, loss_memory
+from .loss_memory import TargetKind, loss_memory_per_window
 
 __all__ = ["Block", "find_blocks", "trace_graph", "BlockError", "ROOT_BLOCK", "nested_tensors"]
 
@@ -270,13 +270,14 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
                       workspace_bytes=per(out_bytes[i]),
                       flops=2 * numel * max(1, per(out_numel_per_ch[i])), module=b.name))
         prev = b.name
-    loss = loss_memory(loss_fn, out, target) if loss_fn is not None and isinstance(out, torch.Tensor) else None
+    loss = None  # per window
+    if loss_fn is not None and isinstance(out, torch.Tensor):
+        loss = loss_memory_per_window(loss_fn, out, target, batch)
     if loss_fn is not None and loss is None and isinstance(target, torch.Tensor):
         log.warning("the loss could not run on the meta device with the batch's targets (or the model's output is "
                     "not one tensor): its memory is not in the plan, so leave room for it in the budget")
     # the step holds its input batch and, when the loss was measured, its targets throughout
     batch_bytes = sum(_nbytes(t) for t in inputs if isinstance(t, torch.Tensor))
-    input_bytes = per(batch_bytes + (loss.target_bytes if loss else 0))
+    input_bytes = per(batch_bytes) + (loss.target_bytes if loss else 0)
     return Graph(tuple(ops), tuple(params), input_bytes=input_bytes, name=type(model).__name__,
-                 loss_saved_bytes=per(loss.saved_bytes) if loss else 0,
-                 loss_peak_bytes=per(loss.peak_bytes) if loss else 0)
+                 loss_saved_bytes=loss.saved_bytes if loss else 0, loss_peak_bytes=loss.peak_bytes if loss else 0)

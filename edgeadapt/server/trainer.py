@@ -118,13 +118,12 @@ def offload_plan(graph: Graph, batch: int, *, budget_bytes: int | None, offload:
 
 def resolve_loss(loss: str | Callable) -> tuple[str, Callable]:
     """``(name, fn)`` of a loss given by name (a key of :data:`LOSSES`) or as ``fn(output, target)``
-    (named ``custom`` when the function has no name of its own that is a built-in's)."""
+    (named by its ``__name__``, else ``custom``)."""
     if isinstance(loss, str):
         if loss not in LOSSES:
             raise ValueError(f"loss must be one of {sorted(LOSSES)} or a callable, got {loss!r}")
         return loss, LOSSES[loss]
-    name = getattr(loss, "__name__", "custom")
-    return ("custom" if name in LOSSES else name), loss
+    return getattr(loss, "__name__", "custom"), loss
 
 
 def plan_training(model: nn.Module, example_input, *, offload: str = "host", memory_budget: int | str | None = None,
@@ -143,6 +142,9 @@ def plan_training(model: nn.Module, example_input, *, offload: str = "host", mem
     name, loss_fn = resolve_loss(loss)
     graph = trace_graph(model, example_input, blocks, loss_fn=loss_fn,
                         target=LOSS_TARGETS.get(name) if example_target is None else example_target)
+    if not graph.loss_peak_bytes and example_target is None and name not in LOSS_TARGETS:
+        log.warning("the loss %r could not be measured with guessed targets: its memory is not in this plan; pass "
+                    "example_target", name)
     return offload_plan(graph, int(nested_tensors(example_input)[0].shape[0]),
                         budget_bytes=None if memory_budget is None else parse_bytes(memory_budget),
                         offload=offload, device=resolve_device(device), optimizer=optimizer, recompute=recompute,
@@ -385,8 +387,7 @@ class Trainer:
         with self._steps.tracing():
             graph = trace_graph(self._model, x, self.blocks, param_shapes=self.param_shapes, loss_fn=self.loss_fn,
                                 target=LOSS_TARGETS.get(self.loss_name, y))
-        if first or (graph.loss_saved_bytes, graph.loss_peak_bytes) != (self._graph.loss_saved_bytes,
-                                                                         self._graph.loss_peak_bytes):
+        if first or graph != self._graph:
             self._graph, self._plans = graph, {}
         self._loss_measured = True
         if first:

@@ -136,3 +136,27 @@ def test_a_custom_loss_is_measured_again_with_the_first_batch(tmp_path):
     t.step(data[0][0], y)
     assert t._graph.loss_peak_bytes >= 5 * 4  # per window: at least the output's gradient
     t.close()
+
+
+@pytest.mark.parametrize("offload,recompute", [("host", True), ("disk", True), ("host", "auto")])
+def test_the_smallest_budget_the_planner_names_holds_at_run_time(offload, recompute, tmp_path):
+    # micro-batches of one window with the loss the largest phase: what does not grow with the batch
+    # (the loss value, the reduction's weight sum) must be planned once per micro-batch, not divided away
+    from edgeadapt.sched import NoFeasiblePlan
+
+    x, y = (torch.randint(0, 4096, (4, 128), generator=torch.Generator().manual_seed(s)) for s in (1, 2))
+
+    def make():
+        torch.manual_seed(0)
+        return build_gpt("gpt-nano", vocab_size=4096, context_len=128, n_layers=2)
+
+    with pytest.raises(NoFeasiblePlan) as e:
+        plan_training(make(), x, offload=offload, memory_budget=1000, device="cpu", recompute=recompute,
+                      loss=token_cross_entropy, example_target=y)
+    budget = e.value.need_bytes
+    t = Trainer(make(), loss=token_cross_entropy, optimizer={"name": "adamw", "lr": 1e-3}, memory_budget=budget,
+                offload=offload, offload_dir=tmp_path, device="cpu", recompute=recompute, example_input=x)
+    assert t._plan_for(4).micro_batch_windows < 4
+    t.step(x, y)
+    assert t.tracked_peak_bytes <= t.plan.predicted.peak_bytes <= budget
+    t.close()

@@ -127,3 +127,26 @@ def test_the_process_baseline_is_taken_after_a_lazy_trace(monkeypatch):
     with Trainer(make_mlp(depth=2), offload="host", device="cpu") as t:  # no example_input: traced at step 1
         t.step(x, y)
         assert kept and t.process_peak_bytes < 16 * 2**20
+
+
+def test_a_weight_buffer_that_cannot_be_allocated_leaves_nothing_reserved(tmp_path, monkeypatch):
+    from edgeadapt.server.coordinator import ResidencyCoordinator
+
+    real, calls = ResidencyCoordinator._compute_buffer, []
+
+    def failing_once(self, slot):
+        calls.append(slot.name)
+        if len(calls) == 2:  # the second block's weights, in the forward, before any update
+            raise MemoryError("simulated: no memory for the block's weights")
+        return real(self, slot)
+
+    monkeypatch.setattr(ResidencyCoordinator, "_compute_buffer", failing_once)
+    data = batches("mlp", 2, batch=16)
+    t = Trainer(make_mlp(width=32, depth=3), optimizer={"name": "adamw", "lr": 1e-2}, offload="disk",
+                offload_dir=tmp_path, device="cpu", example_input=data[0][0])
+    with pytest.raises(MemoryError, match="simulated"):
+        t.step(*data[0])
+    assert t.ledger.held("weights:") == 0
+    t.step(*data[1])  # the next step runs within the budget's account, nothing counted twice
+    assert t.ledger.held("weights:") == 0
+    t.close()
