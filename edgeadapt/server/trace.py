@@ -156,43 +156,21 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.Tensor],
-                blocks: list[Block] | None = None, *, param_shapes: dict[str, tuple[int, ...]] | None = None,
-                loss_fn: Callable | None = None, target: torch.Tensor | TargetKind | None = None) -> Graph:
-    """Trace ``model`` on the meta device and describe it as a block graph.
+@dataclass
+class _BlockRun:
+    """One forward of the model on the meta device, per block: bytes saved for the backward and of
+    the output, the output's elements per channel, the order the blocks ran in."""
 
-    Args:
-        model: the model (left untouched: no buffers change, no random numbers are drawn).
-        example_input: one batch (or a tuple of positional inputs); byte counts are divided by
-            its first dimension to give per-window figures.
-        blocks: the blocks, as :func:`find_blocks` returns them (computed if omitted).
-        param_shapes: parameter shapes to trace with, when the module's own parameters no longer
-            hold them (a model whose weights the trainer has moved out); float32 assumed.
-        loss_fn: the training loss ``fn(output, target)``: its bytes are measured on the meta
-            device (:func:`~edgeadapt.server.loss_memory.loss_memory`) into the graph's
-            ``loss_saved_bytes`` / ``loss_peak_bytes``; ``None``: not measured (0).
-        target: the batch's targets (shape and dtype), or their kind (``"class"`` ids or
-            ``"like"`` the output); ``None``: each kind is tried; a loss that takes neither is
-            left unmeasured.
+    order: list[int]
+    saved_bytes: dict[int, int]
+    out_bytes: dict[int, int]
+    out_numel_per_ch: dict[int, int]
+    output: object
 
-    Returns:
-        A :class:`Graph` with one op of kind ``"block"`` per streamed block, in execution
-        order, after the root block's op of kind ``"resident"`` (no activation bytes: it is
-        held for the whole step) when the model has one.
 
-    Raises:
-        BlockError: a block runs twice in one forward, or never runs.
-    """
-    blocks = find_blocks(model) if blocks is None else blocks
-    inputs = tuple(example_input) if isinstance(example_input, (tuple, list)) else (example_input,)
-    batch = int(inputs[0].shape[0]) if inputs[0].dim() else 1
-    meta_inputs = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in inputs)
-    if param_shapes is None:
-        param_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    state = {n: torch.empty(shape, device="meta", requires_grad=True) for n, shape in param_shapes.items()}
-    state.update({n: torch.empty_like(b, device="meta") for n, b in model.named_buffers()})
-    param_keys = {id(t) for t in state.values()}
-
+def _run_blocks(model: nn.Module, blocks: list[Block], state: dict[str, torch.Tensor], param_keys: set[int],
+                meta_inputs: tuple) -> _BlockRun:
+    """Run the model once on ``meta_inputs`` with hooks on the streamed blocks (see :func:`trace_graph`)."""
     by_module = {id(b.module): i for i, b in enumerate(blocks) if not b.resident}
     order: list[int] = []
     saved: dict[int, dict[int, int]] = {i: {} for i in range(len(blocks))}
@@ -243,12 +221,70 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
     if missing:
         raise BlockError(f"blocks {missing} never run in the forward of the example input; the streaming "
                          "trainer needs every parameter block on the path")
+    return _BlockRun(order, {i: sum(v.values()) for i, v in saved.items()}, out_bytes, out_numel_per_ch, out)
 
+
+def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.Tensor],
+                blocks: list[Block] | None = None, *, param_shapes: dict[str, tuple[int, ...]] | None = None,
+                loss_fn: Callable | None = None, target: torch.Tensor | TargetKind | None = None) -> Graph:
+    """Trace ``model`` on the meta device and describe it as a block graph.
+
+    Args:
+        model: the model (left untouched: no buffers change, no random numbers are drawn).
+        example_input: one batch (or a tuple of positional inputs); byte counts are divided by
+            its first dimension to give per-window figures, each raised to the first window's
+            alone when that is larger (what does not grow with the batch, such as positions
+            built inside the model, counts once per window: an upper bound for any micro-batch).
+        blocks: the blocks, as :func:`find_blocks` returns them (computed if omitted).
+        param_shapes: parameter shapes to trace with, when the module's own parameters no longer
+            hold them (a model whose weights the trainer has moved out); float32 assumed.
+        loss_fn: the training loss ``fn(output, target)``: its bytes are measured on the meta
+            device (:func:`~edgeadapt.server.loss_memory.loss_memory`) into the graph's
+            ``loss_saved_bytes`` / ``loss_peak_bytes``; ``None``: not measured (0).
+        target: the batch's targets (shape and dtype), or their kind (``"class"`` ids or
+            ``"like"`` the output); ``None``: each kind is tried; a loss that takes neither is
+            left unmeasured.
+
+    Returns:
+        A :class:`Graph` with one op of kind ``"block"`` per streamed block, in execution
+        order, after the root block's op of kind ``"resident"`` (no activation bytes: it is
+        held for the whole step) when the model has one.
+
+    Raises:
+        BlockError: a block runs twice in one forward, or never runs.
+    """
+    blocks = find_blocks(model) if blocks is None else blocks
+    inputs = tuple(example_input) if isinstance(example_input, (tuple, list)) else (example_input,)
+    batch = int(inputs[0].shape[0]) if inputs[0].dim() else 1
+    meta_inputs = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in inputs)
+    if param_shapes is None:
+        param_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    state = {n: torch.empty(shape, device="meta", requires_grad=True) for n, shape in param_shapes.items()}
+    state.update({n: torch.empty_like(b, device="meta") for n, b in model.named_buffers()})
+    param_keys = {id(t) for t in state.values()}
+
+    whole = _run_blocks(model, blocks, state, param_keys, meta_inputs)
+    one = None  # the first window alone: what does not grow with the batch, once per window
+    if batch > 1:
+        firsts = tuple(t[:1] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else t
+                       for t in meta_inputs)
+        try:
+            one = _run_blocks(model, blocks, state, param_keys, firsts)
+        except Exception:  # a model that needs more than one window (BatchNorm in training mode)
+            one = None
+        if one is not None and one.order != whole.order:
+            one = None
+    order, out = whole.order, whole.output
     named = {n: state[n] for n in param_shapes}
     params: list[Param] = []
     ops: list[Op] = []
     prev: str | None = None
     per = lambda v: -(-v // batch)  # noqa: E731  (ceil per window)
+
+    def per_window(field: str, i: int) -> int:
+        """Bytes per window: the whole batch's share, or the first window's alone when larger."""
+        v = per(getattr(whole, field)[i])
+        return max(v, getattr(one, field)[i]) if one is not None else v
 
     def add_params(b: Block) -> None:
         for pn in b.param_names:
@@ -266,9 +302,9 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
         add_params(b)
         numel = sum(named[pn].numel() for pn in b.param_names)
         ops.append(Op(b.name, "block", params=b.param_names, inputs=() if prev is None else (prev,),
-                      output_bytes=per(out_bytes[i]), saved_bytes=per(sum(saved[i].values())),
-                      workspace_bytes=per(out_bytes[i]),
-                      flops=2 * numel * max(1, per(out_numel_per_ch[i])), module=b.name))
+                      output_bytes=per_window("out_bytes", i), saved_bytes=per_window("saved_bytes", i),
+                      workspace_bytes=per_window("out_bytes", i),
+                      flops=2 * numel * max(1, per(whole.out_numel_per_ch[i])), module=b.name))
         prev = b.name
     loss = None  # per window
     if loss_fn is not None and isinstance(out, torch.Tensor):
