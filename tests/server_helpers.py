@@ -104,3 +104,47 @@ def assert_same_gpt_parameters(a: dict, b: dict) -> None:
             d = x.numel() // 3
             x, y = torch.cat([x[:d], x[2 * d:]]), torch.cat([y[:d], y[2 * d:]])
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+class RootLayer(nn.Module):
+    """A block that takes a root parameter as a second positional input."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x, gate):
+        return x + torch.tanh(self.fc(x)) * gate
+
+
+class RootLayers(nn.ModuleList):
+    """A top-level container that owns a parameter directly (outside its items)."""
+
+    def __init__(self, width: int, depth: int):
+        super().__init__(RootLayer(width) for _ in range(depth))
+        self.bias = nn.Parameter(torch.zeros(width))
+
+
+class RootModel(nn.Module):
+    """Parameters on the root (a positional term, a scalar gate), on a container, and in blocks;
+    dropout in the root's own code."""
+
+    def __init__(self, d_in: int = 12, width: int = 16, depth: int = 3, n_classes: int = 5):
+        super().__init__()
+        self.proj = nn.Linear(d_in, width)
+        self.pos = nn.Parameter(0.1 * torch.randn(width))
+        self.gate = nn.Parameter(torch.ones(()))
+        self.drop = nn.Dropout(0.1)
+        self.layers = RootLayers(width, depth)
+        self.head = nn.Linear(width, n_classes)
+
+    def forward(self, x):
+        x = self.drop(self.proj(x) + self.pos)
+        for layer in self.layers:
+            x = layer(x, self.gate)      # the root parameter passed into a block
+        return self.head(x + self.layers.bias) * self.gate
+
+
+def make_root(seed: int = 0, **kw) -> RootModel:
+    torch.manual_seed(seed)
+    return RootModel(**kw)

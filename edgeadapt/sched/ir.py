@@ -124,6 +124,8 @@ class Graph:
             until the backward (its saved tensors); 0 when not measured.
         loss_peak_bytes: per window, the most the loss holds at once, forward and backward (its
             saved tensors, its backward's transients, the gradient it hands to the output).
+        outside_saved_bytes: per window, what the model's own code outside every op (between the
+            server's blocks) saves for the backward; 0 when not measured.
     """
 
     ops: tuple[Op, ...]
@@ -132,6 +134,7 @@ class Graph:
     name: str = "model"
     loss_saved_bytes: int = 0
     loss_peak_bytes: int = 0
+    outside_saved_bytes: int = 0
     _op_index: dict[str, int] = field(init=False, repr=False, compare=False)
     _param_index: dict[str, Param] = field(init=False, repr=False, compare=False)
     _owner: dict[str, int] = field(init=False, repr=False, compare=False)
@@ -140,7 +143,7 @@ class Graph:
         object.__setattr__(self, "ops", tuple(self.ops))
         object.__setattr__(self, "params", tuple(self.params))
         _check_nonneg(f"graph {self.name!r}", input_bytes=self.input_bytes, loss_saved_bytes=self.loss_saved_bytes,
-                      loss_peak_bytes=self.loss_peak_bytes)
+                      loss_peak_bytes=self.loss_peak_bytes, outside_saved_bytes=self.outside_saved_bytes)
         if not self.ops:
             raise ValueError(f"graph {self.name!r} has no ops")
         op_index: dict[str, int] = {}
@@ -219,6 +222,7 @@ class Graph:
             # only when measured: graphs without a loss serialise as before the fields existed
             **({"loss_saved_bytes": self.loss_saved_bytes, "loss_peak_bytes": self.loss_peak_bytes}
                if self.loss_peak_bytes else {}),
+            **({"outside_saved_bytes": self.outside_saved_bytes} if self.outside_saved_bytes else {}),
         }
 
     @classmethod
@@ -226,4 +230,5 @@ class Graph:
         return cls(ops=tuple(Op(**o) for o in d["ops"]),
                    params=tuple(Param(**{**p, "shape": tuple(p["shape"])}) for p in d["params"]),
                    input_bytes=d["input_bytes"], name=d.get("name", "model"),
-                   loss_saved_bytes=d.get("loss_saved_bytes", 0), loss_peak_bytes=d.get("loss_peak_bytes", 0))
+                   loss_saved_bytes=d.get("loss_saved_bytes", 0), loss_peak_bytes=d.get("loss_peak_bytes", 0),
+                   outside_saved_bytes=d.get("outside_saved_bytes", 0))

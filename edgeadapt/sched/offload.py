@@ -243,7 +243,7 @@ def block_costs(graph: Graph, batch_windows: int, *, optimizer: str = "adamw",
 
 def offload_peak(costs: list[BlockCost], recompute: list[bool], prefetch_depth: int, *,
                  fixed_bytes: int, update_overlap: UpdateOverlap = UpdateOverlap.BACKWARD,
-                 loss_saved_bytes: int = 0, loss_peak_bytes: int = 0) -> Peak:
+                 loss_saved_bytes: int = 0, loss_peak_bytes: int = 0, outside_saved_bytes: int = 0) -> Peak:
     """The compute-tier peak of one step under the cost model in the module docstring.
 
     Args:
@@ -257,7 +257,10 @@ def offload_peak(costs: list[BlockCost], recompute: list[bool], prefetch_depth: 
             backward is over (the trainer charges it as the ops outside the blocks' activations).
         loss_peak_bytes: the most the loss holds at once while it runs forward and backward,
             beside every block's activations (the phase ``loss``).
+        outside_saved_bytes: what the model's own code between blocks saves (a micro-batch's):
+            counted in every phase from the forward's start to the backward's end.
     """
+    fixed_bytes += outside_saved_bytes
     resident = [c for c in costs if c.resident]
     recompute = [r for c, r in zip(costs, recompute) if not c.resident]
     costs = [c for c in costs if not c.resident]
@@ -409,7 +412,10 @@ def plan_offload(graph: Graph, budget_bytes: int, *, batch_windows: int = 1, tie
         return cache[key]
 
     def loss_of(mb: int) -> dict[str, int]:
-        return {"loss_saved_bytes": graph.loss_saved_bytes * mb, "loss_peak_bytes": graph.loss_peak_bytes * mb}
+        # what the model's own code between blocks saves is held, like the loss's saved tensors,
+        # until the backward ends; counted from the forward's start (an upper bound)
+        return {"loss_saved_bytes": graph.loss_saved_bytes * mb, "loss_peak_bytes": graph.loss_peak_bytes * mb,
+                "outside_saved_bytes": graph.outside_saved_bytes * mb}
 
     def fit(mb: int, depth: int, chunk: int, overlap: UpdateOverlap) -> _Setting | None:
         """The plan of these knobs with the least recompute that fits, or None."""

@@ -166,6 +166,7 @@ class _BlockRun:
     out_bytes: dict[int, int]
     out_numel_per_ch: dict[int, int]
     output: object
+    outside_saved_bytes: int  # what the model's own code between the blocks saved
 
 
 def _run_blocks(model: nn.Module, blocks: list[Block], state: dict[str, torch.Tensor], param_keys: set[int],
@@ -196,12 +197,19 @@ def _run_blocks(model: nn.Module, blocks: list[Block], state: dict[str, torch.Te
         per_ch = first.numel() // max(1, first.shape[-1] if first.dim() else 1) if first is not None else 1
         out_numel_per_ch[i] = per_ch
 
+    outside: dict[int, int] = {}
+    input_keys = {_storage_key(t) for t in nested_tensors(meta_inputs)}
+
     def pack(t: torch.Tensor):
+        key = _storage_key(t)
+        if key in param_keys or id(t) in param_keys:
+            return t
         if active:
-            key = _storage_key(t)
             i = active[-1]
-            if key not in param_keys and id(t) not in param_keys and key not in in_keys.get(i, ()):
+            if key not in in_keys.get(i, ()):
                 saved[i][key] = max(saved[i].get(key, 0), _nbytes(t))
+        elif key not in input_keys:  # the model's own code between blocks (the batch is the input's)
+            outside[key] = max(outside.get(key, 0), _nbytes(t))
         return t
 
     handles = []
@@ -221,7 +229,10 @@ def _run_blocks(model: nn.Module, blocks: list[Block], state: dict[str, torch.Te
     if missing:
         raise BlockError(f"blocks {missing} never run in the forward of the example input; the streaming "
                          "trainer needs every parameter block on the path")
-    return _BlockRun(order, {i: sum(v.values()) for i, v in saved.items()}, out_bytes, out_numel_per_ch, out)
+    # a block's output saved by the code after it is already charged to the block
+    outputs = {_storage_key(t) for t in nested_tensors(out)}
+    return _BlockRun(order, {i: sum(v.values()) for i, v in saved.items()}, out_bytes, out_numel_per_ch, out,
+                     sum(v for k, v in outside.items() if k not in outputs))
 
 
 def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.Tensor],
@@ -315,5 +326,9 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
     # the step holds its input batch and, when the loss was measured, its targets throughout
     batch_bytes = sum(_nbytes(t) for t in inputs if isinstance(t, torch.Tensor))
     input_bytes = per(batch_bytes) + (loss.target_bytes if loss else 0)
+    outside = per(whole.outside_saved_bytes)
+    if one is not None:
+        outside = max(outside, one.outside_saved_bytes)
     return Graph(tuple(ops), tuple(params), input_bytes=input_bytes, name=type(model).__name__,
-                 loss_saved_bytes=loss.saved_bytes if loss else 0, loss_peak_bytes=loss.peak_bytes if loss else 0)
+                 loss_saved_bytes=loss.saved_bytes if loss else 0, loss_peak_bytes=loss.peak_bytes if loss else 0,
+                 outside_saved_bytes=outside)

@@ -8,56 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from server_helpers import batches, reference_train
+from server_helpers import batches, make_root, reference_train
 from torch import nn
 
 from edgeadapt.sched.offload import RESIDENT_KIND, BlockTooLarge, plan_offload
 from edgeadapt.server import BlockError, Trainer, find_blocks, trace_graph
 from edgeadapt.server.trace import ROOT_BLOCK
-
-
-class _Layer(nn.Module):
-    """A block that takes a root parameter as a second positional input."""
-
-    def __init__(self, width: int):
-        super().__init__()
-        self.fc = nn.Linear(width, width)
-
-    def forward(self, x, gate):
-        return x + torch.tanh(self.fc(x)) * gate
-
-
-class _Layers(nn.ModuleList):
-    """A top-level container that owns a parameter directly (outside its items)."""
-
-    def __init__(self, width: int, depth: int):
-        super().__init__(_Layer(width) for _ in range(depth))
-        self.bias = nn.Parameter(torch.zeros(width))
-
-
-class RootModel(nn.Module):
-    """Parameters on the root (a positional term, a scalar gate), on a container, and in blocks;
-    dropout in the root's own code."""
-
-    def __init__(self, d_in: int = 12, width: int = 16, depth: int = 3, n_classes: int = 5):
-        super().__init__()
-        self.proj = nn.Linear(d_in, width)
-        self.pos = nn.Parameter(0.1 * torch.randn(width))
-        self.gate = nn.Parameter(torch.ones(()))
-        self.drop = nn.Dropout(0.1)
-        self.layers = _Layers(width, depth)
-        self.head = nn.Linear(width, n_classes)
-
-    def forward(self, x):
-        x = self.drop(self.proj(x) + self.pos)
-        for layer in self.layers:
-            x = layer(x, self.gate)      # the root parameter passed into a block
-        return self.head(x + self.layers.bias) * self.gate
-
-
-def make_root(seed: int = 0, **kw) -> RootModel:
-    torch.manual_seed(seed)
-    return RootModel(**kw)
 
 
 def test_parameters_outside_blocks_form_the_root_block_first():
@@ -98,6 +54,8 @@ def test_the_graph_and_the_plan_hold_the_root_block_for_the_whole_step():
     root = g.ops[0]
     assert (root.name, root.kind, root.params) == (ROOT_BLOCK, RESIDENT_KIND, ("pos", "gate", "layers.bias"))
     assert root.output_bytes == root.saved_bytes == 0
+    # the root's own code saves for the backward (dropout's mask, the gated sums): planned too
+    assert g.outside_saved_bytes > 0
     assert g.ops[1].inputs == ()  # the first streamed block reads the model input
     assert {p.name: p.module_type for p in g.params}["pos"] == "RootModel"
     assert {p.name: p.module for p in g.params}["layers.bias"] == "layers"
@@ -110,7 +68,8 @@ def test_the_graph_and_the_plan_hold_the_root_block_for_the_whole_step():
     # without the root block the same step is lower by its weights and gradients, everywhere
     from edgeadapt.sched import Graph
 
-    streamed = Graph(g.ops[1:], tuple(p for p in g.params if p.name not in root.params), g.input_bytes, g.name)
+    streamed = Graph(g.ops[1:], tuple(p for p in g.params if p.name not in root.params), g.input_bytes, g.name,
+                     outside_saved_bytes=g.outside_saved_bytes)
     bare = plan_offload(streamed, 10**6, batch_windows=8, tier="disk", prefetch_depth=1).predicted
     assert plan.predicted.peak_bytes == bare.peak_bytes + 2 * root_bytes
     assert plan.predicted.phases_bytes["update"] >= 2 * root_bytes
