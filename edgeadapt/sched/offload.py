@@ -77,7 +77,9 @@ step's input batch is held throughout):
   last forward prefetched, beside the most the loss holds while it runs forward and backward
   (its saved tensors, its backward's transients, the gradient it hands to the output: for a
   cross-entropy, three tensors of the logits' size); its saved tensors
-  (``Graph.loss_saved_bytes``) stay charged through every block's backward.
+  (``Graph.loss_saved_bytes``) stay charged through every block's backward;
+* what the model's own code between blocks saves, and a final output it makes after the last
+  block (``Graph.outside_saved_bytes``): held from the forward's start to the backward's end.
 
 Accumulated gradients (micro-batches > 1) live in the state's tier, beside the master weights
 (host memory or files on disk), never in the compute tier: what the compute tier holds of them

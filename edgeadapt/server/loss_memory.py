@@ -18,7 +18,7 @@ from typing import Callable, Literal
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = ["LiveBytes", "LossMemory", "TargetKind", "loss_memory", "loss_memory_per_window", "meta_targets"]
 
@@ -91,13 +91,13 @@ def meta_targets(output: torch.Tensor, kind: TargetKind | None = None) -> list[t
     return [shaped[k]() for k in ((kind,) if kind else ("class", "like"))]
 
 
-def loss_memory(loss_fn: Callable, output: torch.Tensor,
-                target: torch.Tensor | TargetKind | None = None) -> LossMemory | None:
+def loss_memory(loss_fn: Callable, output, target: torch.Tensor | TargetKind | None = None) -> LossMemory | None:
     """Run ``loss_fn(output, target)`` and its backward on the meta device and measure its bytes.
 
     Args:
         loss_fn: the training loss, called as ``loss_fn(output, target)``.
-        output: the model's output (any device; only its shape and dtype are used).
+        output: the model's output, a tensor or a tuple/list/dict of them (any device; only
+            shapes and dtypes are used; guessed targets follow the first tensor).
         target: the targets (shape and dtype used), or their kind (:data:`TargetKind`);
             ``None``: each kind is tried (:func:`meta_targets`).
 
@@ -105,11 +105,19 @@ def loss_memory(loss_fn: Callable, output: torch.Tensor,
         The loss's bytes, or ``None`` when the loss cannot run on the meta device with these
         targets (the trainer then measures it again with the first batch's targets).
     """
-    out = torch.empty(output.shape, dtype=output.dtype, device="meta", requires_grad=True)
+    def leaf(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        return torch.empty(t.shape, dtype=t.dtype, device="meta", requires_grad=t.is_floating_point())
+
+    out = tree_map(leaf, output)
+    tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    if not tensors:
+        return None
     if isinstance(target, torch.Tensor):
         candidates = [torch.empty(target.shape, dtype=target.dtype, device="meta")]
     else:
-        candidates = meta_targets(out, target)
+        candidates = meta_targets(tensors[0], target)
     for y in candidates:
         mode = LiveBytes()
         try:
@@ -127,7 +135,7 @@ def loss_memory(loss_fn: Callable, output: torch.Tensor,
     return None
 
 
-def loss_memory_per_window(loss_fn: Callable, output: torch.Tensor, target: torch.Tensor | TargetKind | None,
+def loss_memory_per_window(loss_fn: Callable, output, target: torch.Tensor | TargetKind | None,
                            batch: int) -> LossMemory | None:
     """The loss's bytes per window, an upper bound for a micro-batch of any size.
 
@@ -139,9 +147,9 @@ def loss_memory_per_window(loss_fn: Callable, output: torch.Tensor, target: torc
     if whole is None:
         return None
     per = lambda v: -(-v // batch)  # noqa: E731
-    one = None
-    if batch > 1 and output.dim() and output.shape[0] == batch:
-        first = target[:1] if isinstance(target, torch.Tensor) and target.dim() and target.shape[0] == batch else target
-        one = loss_memory(loss_fn, output[:1], first)
+    def first_window(t):
+        return t[:1] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else t
+
+    one = loss_memory(loss_fn, tree_map(first_window, output), first_window(target)) if batch > 1 else None
     return LossMemory(*(max(per(getattr(whole, f)), getattr(one, f) if one else 0)
                         for f in ("saved_bytes", "peak_bytes", "target_bytes")))

@@ -225,7 +225,7 @@ class StreamedSteps:
                batch: list[torch.Tensor]) -> None:
         """Charge what the ops between blocks saved, the outputs and the loss (each storage once;
         the batch's inputs and targets, which the loss may save, are charged as the input)."""
-        for t in batch:
+        for t in [*batch, *self.model.buffers()]:  # buffers are reserved once, as "buffers"
             self.executor.residency.mark_charged(t)
         self.executor.charge_activations("outside", outside + outputs + [loss])
 

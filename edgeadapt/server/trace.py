@@ -135,10 +135,15 @@ def find_blocks(model: nn.Module) -> list[Block]:
 
 
 def _storage_key(t: torch.Tensor) -> int:
-    base = t
-    while base._base is not None:
-        base = base._base
-    return id(base)
+    """The storage itself (as the runtime's ledger keys it): views, detached aliases and split
+    pieces share it. A tensor without one storage (sparse, nested) is its own base's."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        base = t
+        while base._base is not None:
+            base = base._base
+        return id(base)
 
 
 def nested_tensors(value) -> list[torch.Tensor]:
@@ -150,6 +155,14 @@ def nested_tensors(value) -> list[torch.Tensor]:
     if isinstance(value, dict):
         return [t for v in value.values() for t in nested_tensors(v)]
     return []
+
+
+def _held(t: torch.Tensor) -> int:
+    """The bytes of ``t``'s whole storage (what the runtime charges for a saved view of a larger tensor)."""
+    try:
+        return t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return _nbytes(t)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -192,24 +205,29 @@ def _run_blocks(model: nn.Module, blocks: list[Block], state: dict[str, torch.Te
     def post(mod, args, out):
         i = active.pop()
         outs = nested_tensors(out)
-        out_bytes[i] = sum(_nbytes(t) for t in outs)
+        out_bytes[i] = sum({_storage_key(t): _held(t) for t in outs}.values())  # as the runtime charges them
+        block_outs.update(_storage_key(t) for t in outs)
+        keep.extend(outs)  # storages are keyed by address: none is freed and reused during the run
         first = outs[0] if outs else None
         per_ch = first.numel() // max(1, first.shape[-1] if first.dim() else 1) if first is not None else 1
         out_numel_per_ch[i] = per_ch
 
     outside: dict[int, int] = {}
+    block_outs: set[int] = set()
+    keep: list[torch.Tensor] = []
     input_keys = {_storage_key(t) for t in nested_tensors(meta_inputs)}
 
     def pack(t: torch.Tensor):
         key = _storage_key(t)
+        keep.append(t)
         if key in param_keys or id(t) in param_keys:
             return t
         if active:
             i = active[-1]
             if key not in in_keys.get(i, ()):
-                saved[i][key] = max(saved[i].get(key, 0), _nbytes(t))
+                saved[i][key] = max(saved[i].get(key, 0), _held(t))
         elif key not in input_keys:  # the model's own code between blocks (the batch is the input's)
-            outside[key] = max(outside.get(key, 0), _nbytes(t))
+            outside[key] = max(outside.get(key, 0), _held(t))
         return t
 
     handles = []
@@ -229,10 +247,14 @@ def _run_blocks(model: nn.Module, blocks: list[Block], state: dict[str, torch.Te
     if missing:
         raise BlockError(f"blocks {missing} never run in the forward of the example input; the streaming "
                          "trainer needs every parameter block on the path")
-    # a block's output saved by the code after it is already charged to the block
-    outputs = {_storage_key(t) for t in nested_tensors(out)}
+    # a block's output saved by the code after it is already charged to the block; the model's final
+    # outputs made by its own code (not a block's output, not the batch) are charged with the outside
+    for t in nested_tensors(out):
+        key = _storage_key(t)
+        if key not in block_outs and key not in input_keys and key not in param_keys:
+            outside[key] = max(outside.get(key, 0), _held(t))
     return _BlockRun(order, {i: sum(v.values()) for i, v in saved.items()}, out_bytes, out_numel_per_ch, out,
-                     sum(v for k, v in outside.items() if k not in outputs))
+                     sum(v for k, v in outside.items() if k not in block_outs))
 
 
 def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.Tensor],
@@ -272,7 +294,7 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
         param_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     state = {n: torch.empty(shape, device="meta", requires_grad=True) for n, shape in param_shapes.items()}
     state.update({n: torch.empty_like(b, device="meta") for n, b in model.named_buffers()})
-    param_keys = {id(t) for t in state.values()}
+    param_keys = {id(t) for t in state.values()} | {_storage_key(t) for t in state.values()}
 
     whole = _run_blocks(model, blocks, state, param_keys, meta_inputs)
     one = None  # the first window alone: what does not grow with the batch, once per window
@@ -318,11 +340,11 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
                       flops=2 * numel * max(1, per(whole.out_numel_per_ch[i])), module=b.name))
         prev = b.name
     loss = None  # per window
-    if loss_fn is not None and isinstance(out, torch.Tensor):
+    if loss_fn is not None:
         loss = loss_memory_per_window(loss_fn, out, target, batch)
     if loss_fn is not None and loss is None and isinstance(target, torch.Tensor):
-        log.warning("the loss could not run on the meta device with the batch's targets (or the model's output is "
-                    "not one tensor): its memory is not in the plan, so leave room for it in the budget")
+        log.warning("the loss could not run on the meta device with the batch's targets: its memory is not in the "
+                    "plan, so leave room for it in the budget")
     # the step holds its input batch and, when the loss was measured, its targets throughout
     batch_bytes = sum(_nbytes(t) for t in inputs if isinstance(t, torch.Tensor))
     input_bytes = per(batch_bytes) + (loss.target_bytes if loss else 0)
