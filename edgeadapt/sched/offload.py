@@ -413,7 +413,7 @@ def plan_offload(graph: Graph, budget_bytes: int, *, batch_windows: int = 1, tie
                                      accumulate=mb < batch_windows, weights_in_place=weights_in_place)
         return cache[key]
 
-    def loss_of(mb: int) -> dict[str, int]:
+    def outside_blocks(mb: int) -> dict[str, int]:
         # what the model's own code between blocks saves is held, like the loss's saved tensors,
         # until the backward ends; counted from the forward's start (an upper bound)
         return {"loss_saved_bytes": graph.loss_saved_bytes * mb, "loss_peak_bytes": graph.loss_peak_bytes * mb,
@@ -425,13 +425,13 @@ def plan_offload(graph: Graph, budget_bytes: int, *, batch_windows: int = 1, tie
         n = len(costs)
         can = [not c.resident and c.saved_bytes > 0 for c in costs]
         rec = [bool(recompute is True or recompute == "auto") and x for x in can]
-        peak = offload_peak(costs, rec, depth, fixed_bytes=fixed, update_overlap=overlap, **loss_of(mb))
+        peak = offload_peak(costs, rec, depth, fixed_bytes=fixed, update_overlap=overlap, **outside_blocks(mb))
         if peak.peak_bytes > budget_bytes:
             return None
         if recompute == "auto":
             for k in sorted((k for k in range(n) if rec[k]), key=lambda k: -costs[k].saved_bytes):
                 rec[k] = False
-                q = offload_peak(costs, rec, depth, fixed_bytes=fixed, update_overlap=overlap, **loss_of(mb))
+                q = offload_peak(costs, rec, depth, fixed_bytes=fixed, update_overlap=overlap, **outside_blocks(mb))
                 if q.peak_bytes <= budget_bytes:
                     peak = q
                 else:
@@ -447,7 +447,7 @@ def plan_offload(graph: Graph, budget_bytes: int, *, batch_windows: int = 1, tie
             costs = costs_of(mb, chunks[-1])
             rec = [recompute in (True, "auto") and not c.resident and c.saved_bytes > 0 for c in costs]
             for overlap in OVERLAPS:
-                peak = offload_peak(costs, rec, 0, fixed_bytes=fixed, update_overlap=overlap, **loss_of(mb))
+                peak = offload_peak(costs, rec, 0, fixed_bytes=fixed, update_overlap=overlap, **outside_blocks(mb))
                 out.append(_Setting(mb, 0, chunks[-1], tuple(rec), peak, overlap))
         return min(out, key=lambda s: (s.peak.peak_bytes, -s.micro_windows, OVERLAPS.index(s.overlap)))
 

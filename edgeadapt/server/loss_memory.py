@@ -20,7 +20,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["LiveBytes", "LossMemory", "TargetKind", "loss_memory", "loss_memory_per_window", "meta_targets"]
+__all__ = ["LiveBytes", "LossMemory", "TargetKind", "first_window", "loss_memory", "loss_memory_per_window",
+           "meta_targets", "per_window_bytes"]
 
 
 class LiveBytes(TorchDispatchMode):
@@ -146,10 +147,23 @@ def loss_memory_per_window(loss_fn: Callable, output, target: torch.Tensor | Tar
     whole = loss_memory(loss_fn, output, target)
     if whole is None:
         return None
-    per = lambda v: -(-v // batch)  # noqa: E731
-    def first_window(t):
+    one = loss_memory(loss_fn, first_window(output, batch), first_window(target, batch)) if batch > 1 else None
+    return LossMemory(*(per_window_bytes(getattr(whole, f), getattr(one, f) if one else None, batch)
+                        for f in ("saved_bytes", "peak_bytes", "target_bytes")))
+
+
+def first_window(value, batch: int):
+    """``value`` (a tensor, or a tuple/list/dict of them) cut to its first window: each tensor
+    whose first dimension is the batch's ``batch``; anything else as it is."""
+    def cut(t):
         return t[:1] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else t
 
-    one = loss_memory(loss_fn, tree_map(first_window, output), first_window(target)) if batch > 1 else None
-    return LossMemory(*(max(per(getattr(whole, f)), getattr(one, f) if one else 0)
-                        for f in ("saved_bytes", "peak_bytes", "target_bytes")))
+    return tree_map(cut, value)
+
+
+def per_window_bytes(batch_bytes: int, window_bytes: int | None, batch: int) -> int:
+    """Bytes per window from a batch's ``batch_bytes`` and its first window's alone
+    (``window_bytes``; ``None``: not measured): the batch's share rounded up, or the first window's
+    when larger, so that what does not grow with the batch counts once per window."""
+    share = -(-batch_bytes // batch)
+    return share if window_bytes is None else max(share, window_bytes)

@@ -114,11 +114,10 @@ class InMemorySteps:
         """Charge what autograd saved and the outputs as activations (the parameters are weights,
         the batch's inputs and targets are the input)."""
         seen: dict[int, int] = {}
-        params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
-        params |= {t.untyped_storage().data_ptr() for t in batch}
+        charged_otherwise = {p.untyped_storage().data_ptr() for p in [*self.model.parameters(), *batch]}
         for t in outside + outputs:
             ptr = t.untyped_storage().data_ptr()
-            if ptr and ptr not in params:
+            if ptr and ptr not in charged_otherwise:
                 seen[ptr] = t.untyped_storage().nbytes()
         self.ledger.reserve("activations", sum(seen.values()))
 

@@ -37,7 +37,7 @@ from torch import nn
 
 from ..sched.ir import DTYPE_BYTES, Graph, Op, Param
 from ..sched.offload import RESIDENT_KIND
-from .loss_memory import TargetKind, loss_memory_per_window
+from .loss_memory import TargetKind, first_window, loss_memory_per_window, per_window_bytes
 
 __all__ = ["Block", "find_blocks", "trace_graph", "BlockError", "ROOT_BLOCK", "nested_tensors"]
 
@@ -299,10 +299,8 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
     whole = _run_blocks(model, blocks, state, param_keys, meta_inputs)
     one = None  # the first window alone: what does not grow with the batch, once per window
     if batch > 1:
-        firsts = tuple(t[:1] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else t
-                       for t in meta_inputs)
         try:
-            one = _run_blocks(model, blocks, state, param_keys, firsts)
+            one = _run_blocks(model, blocks, state, param_keys, first_window(meta_inputs, batch))
         except Exception:  # a model that needs more than one window (BatchNorm in training mode)
             one = None
         if one is not None and one.order != whole.order:
@@ -315,9 +313,7 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
     per = lambda v: -(-v // batch)  # noqa: E731  (ceil per window)
 
     def per_window(field: str, i: int) -> int:
-        """Bytes per window: the whole batch's share, or the first window's alone when larger."""
-        v = per(getattr(whole, field)[i])
-        return max(v, getattr(one, field)[i]) if one is not None else v
+        return per_window_bytes(getattr(whole, field)[i], getattr(one, field)[i] if one is not None else None, batch)
 
     def add_params(b: Block) -> None:
         for pn in b.param_names:
@@ -348,9 +344,7 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
     # the step holds its input batch and, when the loss was measured, its targets throughout
     batch_bytes = sum(_nbytes(t) for t in inputs if isinstance(t, torch.Tensor))
     input_bytes = per(batch_bytes) + (loss.target_bytes if loss else 0)
-    outside = per(whole.outside_saved_bytes)
-    if one is not None:
-        outside = max(outside, one.outside_saved_bytes)
+    outside = per_window_bytes(whole.outside_saved_bytes, one.outside_saved_bytes if one is not None else None, batch)
     return Graph(tuple(ops), tuple(params), input_bytes=input_bytes, name=type(model).__name__,
                  loss_saved_bytes=loss.saved_bytes if loss else 0, loss_peak_bytes=loss.peak_bytes if loss else 0,
                  outside_saved_bytes=outside)

@@ -452,7 +452,7 @@ class Trainer:
                 transient = self._graph.loss_peak_bytes - self._graph.loss_saved_bytes
                 self.ledger.reserve(LOSS_KEY, max(0, transient) * int(xs[0].shape[0]))
             loss.backward()
-            self.ledger.release(LOSS_KEY)
+            self.ledger.release(LOSS_KEY)  # a model without streamed blocks: before the root block's update
             self.process_memory.sample()
             del loss
             outside.clear()  # what autograd saved, released with the graph
