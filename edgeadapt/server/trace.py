@@ -13,9 +13,14 @@ model's forward, keeps it for the whole step and updates it after the backward, 
 read anywhere in the model's own ``forward`` and passed into blocks as an argument. It comes
 first in :func:`find_blocks`' list and in the graph, as an op of kind ``"resident"``.
 
-Activation bytes come from a shape trace on the ``meta`` device (no memory, no compute, no
-random numbers drawn, no statistics updated): forward hooks mark which block runs, and
-``saved_tensors_hooks`` sees every tensor autograd keeps for backward. Per block the graph
+Activation bytes come from a shape trace (no memory, no compute, no random numbers drawn, no
+statistics updated): forward hooks mark which block runs, and ``saved_tensors_hooks`` sees every
+tensor autograd keeps for backward. What an op saves depends on the kernel the compute device
+picks (on the CPU, ``scaled_dot_product_attention`` runs a fused kernel that keeps the output and
+its log-sum-exp; the ``meta`` device runs the unfused math, which also keeps the attention
+matrix), so a CPU step is traced with fake tensors of the CPU (:data:`FAKE_TRACE_DEVICES`), which
+pick the CPU's kernels, and anything else (or a model the fake trace cannot run) on ``meta``: the
+unfused ops save at least what the fused ones do, an upper bound. Per block the graph
 records (per window, i.e. per sample of the batch):
 
 * ``output_bytes``: the block's output tensors;
@@ -28,21 +33,29 @@ records (per window, i.e. per sample of the batch):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map
 
 from ..sched.ir import DTYPE_BYTES, Graph, Op, Param
 from ..sched.offload import RESIDENT_KIND
 from .loss_memory import TargetKind, first_window, loss_memory_per_window, per_window_bytes
 
-__all__ = ["Block", "find_blocks", "trace_graph", "BlockError", "ROOT_BLOCK", "nested_tensors"]
+__all__ = ["Block", "find_blocks", "trace_graph", "BlockError", "ROOT_BLOCK", "nested_tensors", "FAKE_TRACE_DEVICES"]
 
 ROOT_BLOCK = "<root>"
 """Name of the block of the parameters outside every streamed block (no module path has it)."""
+
+FAKE_TRACE_DEVICES = frozenset({"cpu"})
+"""Device types traced with fake tensors of the device itself (its own kernels' saved tensors);
+the others are traced on ``meta``. CUDA stays on ``meta`` until a GPU run has checked its fused
+kernels' fake trace against the run-time ledger."""
 
 log = logging.getLogger(__name__)
 
@@ -257,10 +270,39 @@ def _run_blocks(model: nn.Module, blocks: list[Block], state: dict[str, torch.Te
                      sum(v for k, v in outside.items() if k not in block_outs))
 
 
+def _trace_runs(model: nn.Module, blocks: list[Block], inputs: tuple, param_shapes: dict[str, tuple[int, ...]],
+                batch: int, kind: str) -> tuple[_BlockRun, _BlockRun | None, dict[str, torch.Tensor]]:
+    """The forward of the whole batch and of its first window alone (``None`` when that cannot run
+    or runs the blocks in another order), on ``meta`` or with fake tensors of device type ``kind``,
+    and the traced parameters by name."""
+    space = contextlib.nullcontext() if kind == "meta" else FakeTensorMode(allow_non_fake_inputs=True)
+    with space:
+        traced = tuple(torch.empty(t.shape, dtype=t.dtype, device=kind) if isinstance(t, torch.Tensor) else t
+                       for t in inputs)
+        state = {n: torch.empty(shape, device=kind, requires_grad=True) for n, shape in param_shapes.items()}
+        state.update({n: torch.empty_like(b, device=kind) for n, b in model.named_buffers()})
+        param_keys = {id(t) for t in state.values()} | {_storage_key(t) for t in state.values()}
+        whole = _run_blocks(model, blocks, state, param_keys, traced)
+        one = None  # the first window alone: what does not grow with the batch, once per window
+        if batch > 1:
+            try:
+                one = _run_blocks(model, blocks, state, param_keys, first_window(traced, batch))
+            except Exception:  # a model that needs more than one window (BatchNorm in training mode)
+                one = None
+            if one is not None and one.order != whole.order:
+                one = None
+    # the loss is measured on meta from the output's shapes: no fake tensor leaves this function
+    whole.output = tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta")
+                            if isinstance(t, torch.Tensor) else t, whole.output)
+    named = {n: torch.empty(shape, device="meta") for n, shape in param_shapes.items()}
+    return whole, one, named
+
+
 def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.Tensor],
                 blocks: list[Block] | None = None, *, param_shapes: dict[str, tuple[int, ...]] | None = None,
-                loss_fn: Callable | None = None, target: torch.Tensor | TargetKind | None = None) -> Graph:
-    """Trace ``model`` on the meta device and describe it as a block graph.
+                loss_fn: Callable | None = None, target: torch.Tensor | TargetKind | None = None,
+                device: torch.device | str | None = None) -> Graph:
+    """Trace ``model`` without memory or compute and describe it as a block graph.
 
     Args:
         model: the model (left untouched: no buffers change, no random numbers are drawn).
@@ -277,6 +319,9 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
         target: the batch's targets (shape and dtype), or their kind (``"class"`` ids or
             ``"like"`` the output); ``None``: each kind is tried; a loss that takes neither is
             left unmeasured.
+        device: the compute device the step will run on: a type in :data:`FAKE_TRACE_DEVICES` is
+            traced with its own kernels (fake tensors), any other, or ``None``, on ``meta`` (an
+            upper bound of what the device's kernels save).
 
     Returns:
         A :class:`Graph` with one op of kind ``"block"`` per streamed block, in execution
@@ -289,24 +334,22 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
     blocks = find_blocks(model) if blocks is None else blocks
     inputs = tuple(example_input) if isinstance(example_input, (tuple, list)) else (example_input,)
     batch = int(inputs[0].shape[0]) if inputs[0].dim() else 1
-    meta_inputs = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in inputs)
     if param_shapes is None:
         param_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    state = {n: torch.empty(shape, device="meta", requires_grad=True) for n, shape in param_shapes.items()}
-    state.update({n: torch.empty_like(b, device="meta") for n, b in model.named_buffers()})
-    param_keys = {id(t) for t in state.values()} | {_storage_key(t) for t in state.values()}
-
-    whole = _run_blocks(model, blocks, state, param_keys, meta_inputs)
-    one = None  # the first window alone: what does not grow with the batch, once per window
-    if batch > 1:
+    kind = torch.device(device).type if device is not None else "meta"
+    runs = None
+    if kind in FAKE_TRACE_DEVICES:
         try:
-            one = _run_blocks(model, blocks, state, param_keys, first_window(meta_inputs, batch))
-        except Exception:  # a model that needs more than one window (BatchNorm in training mode)
-            one = None
-        if one is not None and one.order != whole.order:
-            one = None
+            runs = _trace_runs(model, blocks, inputs, param_shapes, batch, kind)
+        except BlockError:
+            raise
+        except Exception as e:  # an op without a fake kernel: the meta trace's upper bound instead
+            log.info("the %s fake trace of %s failed (%s: %s); traced on meta, an upper bound", kind,
+                     type(model).__name__, type(e).__name__, e)
+    if runs is None:
+        runs = _trace_runs(model, blocks, inputs, param_shapes, batch, "meta")
+    whole, one, named = runs
     order, out = whole.order, whole.output
-    named = {n: state[n] for n in param_shapes}
     params: list[Param] = []
     ops: list[Op] = []
     prev: str | None = None

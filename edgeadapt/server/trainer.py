@@ -140,14 +140,15 @@ def plan_training(model: nn.Module, example_input, *, offload: str = "host", mem
     blocks = find_blocks(model)
     whole = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     name, loss_fn = resolve_loss(loss)
-    graph = trace_graph(model, example_input, blocks, loss_fn=loss_fn,
+    compute = resolve_device(device)
+    graph = trace_graph(model, example_input, blocks, loss_fn=loss_fn, device=compute,
                         target=LOSS_TARGETS.get(name) if example_target is None else example_target)
     if not graph.loss_peak_bytes and example_target is None and name not in LOSS_TARGETS:
         log.warning("the loss %r could not be measured with guessed targets: its memory is not in this plan; pass "
                     "example_target", name)
     return offload_plan(graph, int(nested_tensors(example_input)[0].shape[0]),
                         budget_bytes=None if memory_budget is None else parse_bytes(memory_budget),
-                        offload=offload, device=resolve_device(device), optimizer=optimizer, recompute=recompute,
+                        offload=offload, device=compute, optimizer=optimizer, recompute=recompute,
                         prefetch_depth=prefetch_depth,
                         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
                         update_chunk_numel=update_chunk_numel, max_micro_batches=1 if whole else max_micro_batches)
@@ -264,7 +265,7 @@ class Trainer:
         self._loss_measured = self.loss_name in LOSS_TARGETS
         if example_input is not None:
             self._graph = trace_graph(model, example_input, self.blocks, loss_fn=self.loss_fn,
-                                      target=LOSS_TARGETS.get(self.loss_name))
+                                      target=LOSS_TARGETS.get(self.loss_name), device=self.device)
 
         self.executor: StreamingExecutor | None = None
         self.store = None
@@ -386,7 +387,7 @@ class Trainer:
         first = self._graph is None
         with self._steps.tracing():
             graph = trace_graph(self._model, x, self.blocks, param_shapes=self.param_shapes, loss_fn=self.loss_fn,
-                                target=LOSS_TARGETS.get(self.loss_name, y))
+                                target=LOSS_TARGETS.get(self.loss_name, y), device=self.device)
         if first or graph != self._graph:
             self._graph, self._plans = graph, {}
         self._loss_measured = True

@@ -12,7 +12,9 @@ from torch import nn
 from edgeadapt.sched import Graph, Op, Param, Plan
 from edgeadapt.sched import BudgetExceeded, NoFeasiblePlan
 from edgeadapt.sched.offload import BlockTooLarge, block_costs, offload_peak, plan_offload
+from edgeadapt.models import build_gpt
 from edgeadapt.server import find_blocks, trace_graph
+from edgeadapt.server import trace as trace_mod
 
 
 def test_blocks_are_container_items_and_other_top_level_children():
@@ -41,6 +43,53 @@ def test_trace_counts_match_a_hand_count_and_leave_the_model_untouched():
     assert layer.saved_bytes == 32 * 4 + 32 * 4
     assert g.ops[0].saved_bytes == 0  # a Linear on the model input keeps nothing but its weight
     Graph.from_dict(json.loads(json.dumps(g.to_dict())))
+
+
+def _saved_on_cpu(block: nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the storages a real CPU forward of ``block`` keeps for backward, its parameters and
+    its input excluded (what the trainer's ledger charges to a kept block)."""
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = block(x)
+    excluded = {p.untyped_storage().data_ptr() for p in block.parameters()} | {x.untyped_storage().data_ptr()}
+    del out
+    return sum(n for ptr, n in storages.items() if ptr not in excluded)
+
+
+@pytest.mark.parametrize("heads,context", [(2, 32), (4, 16)])
+def test_a_cpu_trace_counts_what_the_cpu_kernels_save(heads, context):
+    # the CPU's fused attention keeps its output and log-sum-exp; the meta device runs the unfused
+    # math, which also keeps the attention matrix: the CPU plan is traced with the CPU's kernels
+    torch.manual_seed(0)
+    model = build_gpt("gpt-nano", vocab_size=64, context_len=context, d_model=32, n_layers=2, n_heads=heads)
+    batch = 3
+    ids = torch.randint(0, 64, (batch, context))
+    on_cpu, on_meta = trace_graph(model, ids, device="cpu"), trace_graph(model, ids)
+    hidden = torch.randn(batch, context, 32, requires_grad=True)
+    real = _saved_on_cpu(model.blocks[0], hidden)
+    cpu_op = next(o for o in on_cpu.ops if o.name == "blocks.0")
+    meta_op = next(o for o in on_meta.ops if o.name == "blocks.0")
+    assert cpu_op.saved_bytes * batch == real
+    assert meta_op.saved_bytes > cpu_op.saved_bytes  # the attention matrix, per head
+    assert [o.output_bytes for o in on_cpu.ops] == [o.output_bytes for o in on_meta.ops]
+
+
+def test_a_model_the_fake_trace_cannot_run_is_traced_on_meta(monkeypatch):
+    model, x = make_mlp(d_in=12, width=16, depth=2), torch.randn(4, 12)
+    real = trace_mod._trace_runs
+
+    def no_fake(*args):
+        if args[-1] != "meta":
+            raise NotImplementedError("no fake kernel for this op")
+        return real(*args)
+
+    monkeypatch.setattr(trace_mod, "_trace_runs", no_fake)
+    assert trace_graph(model, x, device="cpu") == trace_graph(model, x)
 
 
 def _chain(n: int, weight_bytes: int, saved: int, out: int) -> Graph:
