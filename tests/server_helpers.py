@@ -148,3 +148,31 @@ class RootModel(nn.Module):
 def make_root(seed: int = 0, **kw) -> RootModel:
     torch.manual_seed(seed)
     return RootModel(**kw)
+
+
+class Scaled(nn.Module):
+    """Each layer is called on a tensor the model's own code makes from the previous output, and
+    with a mask (a keyword argument) built in the forward."""
+
+    def __init__(self, width: int = 64, depth: int = 3, own_code: bool = True):
+        super().__init__()
+        self.own_code = own_code
+        self.proj = nn.Linear(12, width)
+        self.layers = nn.ModuleList(Gated(width) for _ in range(depth))
+        self.head = nn.Linear(width, 5)
+
+    def forward(self, x):
+        h = self.proj(x)
+        gate = (x[:, :1] > 0).float() if self.own_code else None  # (batch, 1), made here
+        for layer in self.layers:
+            h = layer(h * 2.0 if self.own_code else h, gate=gate)
+        return self.head(h)
+
+
+class Gated(nn.Linear):
+    def __init__(self, width: int):
+        super().__init__(width, width)
+
+    def forward(self, x, gate=None):
+        y = super().forward(x)
+        return y if gate is None else y * (1.0 + gate)

@@ -222,6 +222,10 @@ class BlockWiring:
             raise TypeError(f"block {slot.name!r} is called with a tensor that needs a gradient inside a keyword "
                             "argument or a container; the streaming trainer passes gradients through positional "
                             "tensor arguments only, so pass it positionally")
+        # the call holds its arguments until the block's backward (to run it, or to recompute it): an
+        # argument the model's own code made (not a block's output, the batch or a weight) is
+        # charged with what that code saved
+        self.residency.charge_activations("outside", [args[i] for i in tensor_pos] + hidden)
         runner = _Call(self, slot, args, kwargs, tensor_pos)
         # the anchor requires grad so that the block's backward runs even when no input needs a
         # gradient (the first block): the block's parameters are not inputs of the Function

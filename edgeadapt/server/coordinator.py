@@ -11,6 +11,7 @@ every byte it holds there: weights of resident and in-flight blocks and the step
 
 from __future__ import annotations
 
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -117,7 +118,9 @@ class ResidencyCoordinator:
         self._by_name = {s.name: s for s in slots}
         self.schedule: list[int] = []
         self.depth = 1
-        self._act_ptrs: dict[int, int] = {}
+        # storages charged this step (or charged otherwise), by data address: a weak reference to
+        # the storage tells a storage still alive from a new one the allocator put at a freed address
+        self._act_ptrs: dict[int, weakref.ref] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgeadapt-prefetch")
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
@@ -274,20 +277,26 @@ class ResidencyCoordinator:
             self.prefetch(self.schedule[0])
             self._prefetch_after(0)
 
+    def _charged(self, t: torch.Tensor) -> bool:
+        ref = self._act_ptrs.get(storage_ptr(t))
+        return ref is not None and ref() is t.untyped_storage()
+
     def mark_charged(self, t: torch.Tensor) -> None:
         """Never charge ``t``'s storage as activations this step (it is charged otherwise)."""
-        self._act_ptrs.setdefault(storage_ptr(t), 0)
+        if not self._charged(t):
+            self._act_ptrs[storage_ptr(t)] = weakref.ref(t.untyped_storage())
 
     def charge_activations(self, owner: str, tensors: list[torch.Tensor]) -> None:
-        """Charge the storages among ``tensors`` not yet charged this step to ``owner``."""
+        """Charge the storages among ``tensors`` not yet charged this step to ``owner`` (a storage
+        at the address of one charged and freed before is new, and charged)."""
         total = 0
         for t in tensors:
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 continue
             ptr = storage_ptr(t)
-            if ptr and ptr not in self._act_ptrs:
-                self._act_ptrs[ptr] = t.untyped_storage().nbytes()
-                total += self._act_ptrs[ptr]
+            if ptr and not self._charged(t):
+                self._act_ptrs[ptr] = weakref.ref(t.untyped_storage())
+                total += t.untyped_storage().nbytes()
         if total:
             self.ledger.reserve(f"activations:{owner}", total)
 

@@ -45,7 +45,7 @@ class StepStrategy(Protocol):
     @property
     def plan(self) -> Plan | None: ...
     def prepare(self, plan: Plan | None, micro_count: int) -> None: ...
-    def begin(self, micro: int, micro_count: int) -> None: ...
+    def begin(self, micro: int, micro_count: int, batch: list[torch.Tensor]) -> None: ...
     def charge(self, outside: list[torch.Tensor], outputs: list[torch.Tensor], loss: torch.Tensor,
                batch: list[torch.Tensor]) -> None: ...
     def before_backward(self) -> None: ...
@@ -106,7 +106,7 @@ class InMemorySteps:
     def prepare(self, plan: Plan | None, micro_count: int) -> None:
         pass
 
-    def begin(self, micro: int, micro_count: int) -> None:
+    def begin(self, micro: int, micro_count: int, batch: list[torch.Tensor]) -> None:
         pass
 
     def charge(self, outside: list[torch.Tensor], outputs: list[torch.Tensor], loss: torch.Tensor,
@@ -217,15 +217,17 @@ class StreamedSteps:
         if micro_count > 1:
             self.store.add_accumulators()
 
-    def begin(self, micro: int, micro_count: int) -> None:
+    def begin(self, micro: int, micro_count: int, batch: list[torch.Tensor]) -> None:
         self.executor.begin_step(micro=micro, micro_count=micro_count)
+        # the batch's inputs and targets are charged as the input, the buffers once as "buffers":
+        # never as the activations of a block they are passed to, nor of the ops between blocks
+        for t in [*batch, *self.model.buffers()]:
+            self.executor.residency.mark_charged(t)
 
     def charge(self, outside: list[torch.Tensor], outputs: list[torch.Tensor], loss: torch.Tensor,
                batch: list[torch.Tensor]) -> None:
         """Charge what the ops between blocks saved, the outputs and the loss (each storage once;
-        the batch's inputs and targets, which the loss may save, are charged as the input)."""
-        for t in [*batch, *self.model.buffers()]:  # buffers are reserved once, as "buffers"
-            self.executor.residency.mark_charged(t)
+        the batch was marked as charged by :meth:`begin`)."""
         self.executor.charge_activations("outside", outside + outputs + [loss])
 
     def before_backward(self) -> None:

@@ -206,14 +206,22 @@ def _run_blocks(model: nn.Module, blocks: list[Block], state: dict[str, torch.Te
     out_numel_per_ch: dict[int, int] = {}
     active: list[int] = []
 
-    def pre(mod, args):
+    def pre(mod, args, kwargs):
         i = by_module[id(mod)]
         if i in order:
             raise BlockError(f"block {blocks[i].name!r} runs twice in one forward; the streaming trainer "
                              "updates a block once per step, so share no block between two call sites")
         order.append(i)
         active.append(i)
-        in_keys[i] = {_storage_key(t) for t in nested_tensors(args)}
+        given = nested_tensors((args, kwargs))
+        in_keys[i] = {_storage_key(t) for t in given}
+        # a block holds its arguments until its backward: one the model's own code made (not a block's
+        # output, the batch or a weight) counts with what that code saves, as the trainer charges it
+        for t in given:
+            key = _storage_key(t)
+            if key not in block_outs and key not in input_keys and key not in param_keys and id(t) not in param_keys:
+                keep.append(t)
+                outside[key] = max(outside.get(key, 0), _held(t))
 
     def post(mod, args, out):
         i = active.pop()
@@ -247,7 +255,7 @@ def _run_blocks(model: nn.Module, blocks: list[Block], state: dict[str, torch.Te
     for b in blocks:
         if b.resident:
             continue
-        handles.append(b.module.register_forward_pre_hook(pre))
+        handles.append(b.module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(b.module.register_forward_hook(post))
     try:
         with torch.random.fork_rng(devices=[]), torch.enable_grad(), \

@@ -429,7 +429,7 @@ class Trainer:
         outside: list[torch.Tensor] = []
         steps = self._steps
         try:
-            steps.begin(micro, micro_count)
+            steps.begin(micro, micro_count, [*xs, y])
 
             def pack(t):
                 outside.append(t)
@@ -477,7 +477,7 @@ class Trainer:
         self._model.eval()
         self.ledger.reserve("input", sum(t.numel() * t.element_size() for t in xs))
         try:
-            self._steps.begin(0, 1)
+            self._steps.begin(0, 1, xs)
             return self._model(*xs)
         finally:
             self._steps.end()

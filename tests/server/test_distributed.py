@@ -111,7 +111,8 @@ def _run(tmp_path: Path, n_proc: int, engine: str, steps: int = 3) -> tuple[dict
         if all(f.exists() for f in results):
             warnings.warn(f"a gloo rank aborted at teardown ({TEARDOWN_ABORT!r}) after the results were written")
             return torch.load(out, map_location="cpu", weights_only=True), json.loads(results[1].read_text())
-        warnings.warn(f"a gloo rank aborted ({TEARDOWN_ABORT!r}) before the results were written; attempt {attempt + 2}")
+        warnings.warn(f"a gloo rank aborted ({TEARDOWN_ABORT!r}) before the results were written (attempt "
+                      f"{attempt + 1} of 3)")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return (torch.load(out, map_location="cpu", weights_only=True), json.loads(Path(f"{out}.json").read_text()))
 
