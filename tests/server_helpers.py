@@ -176,3 +176,42 @@ class Gated(nn.Linear):
     def forward(self, x, gate=None):
         y = super().forward(x)
         return y if gate is None else y * (1.0 + gate)
+
+
+def saved_by_forward(block: nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the storages a real forward of ``block`` on ``x``'s device keeps for backward, its
+    parameters and its input excluded (what the trainer's ledger charges to a kept block)."""
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = block(x)
+    excluded = {p.untyped_storage().data_ptr() for p in block.parameters()} | {x.untyped_storage().data_ptr()}
+    del out
+    return sum(n for ptr, n in storages.items() if ptr not in excluded)
+
+
+class Recurrent(nn.Module):
+    """A projection, one recurrent layer (LSTM, GRU or RNN) in a block that returns its output
+    sequence, and a head on the last step."""
+
+    def __init__(self, kind: str = "lstm", width: int = 16, n_classes: int = 5):
+        super().__init__()
+        self.proj = nn.Linear(4, width)
+        self.layers = nn.ModuleList([_Sequence(kind, width)])
+        self.head = nn.Linear(width, n_classes)
+
+    def forward(self, x):  # (batch, steps, 4)
+        return self.head(self.layers[0](self.proj(x))[:, -1])
+
+
+class _Sequence(nn.Module):
+    def __init__(self, kind: str, width: int):
+        super().__init__()
+        self.rnn = {"lstm": nn.LSTM, "gru": nn.GRU, "rnn": nn.RNN}[kind](width, width, batch_first=True)
+
+    def forward(self, x):
+        return self.rnn(x)[0]

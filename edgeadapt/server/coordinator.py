@@ -118,8 +118,9 @@ class ResidencyCoordinator:
         self._by_name = {s.name: s for s in slots}
         self.schedule: list[int] = []
         self.depth = 1
-        # storages charged this step (or charged otherwise), by data address: a weak reference to
-        # the storage tells a storage still alive from a new one the allocator put at a freed address
+        # storages charged this step (or charged otherwise), by data address: while the storage
+        # recorded there is alive the memory is the same (a view, or another storage over it: two
+        # tensors made from one numpy array); once it died, a storage at that address is new
         self._act_ptrs: dict[int, weakref.ref] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgeadapt-prefetch")
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -279,7 +280,7 @@ class ResidencyCoordinator:
 
     def _charged(self, t: torch.Tensor) -> bool:
         ref = self._act_ptrs.get(storage_ptr(t))
-        return ref is not None and ref() is t.untyped_storage()
+        return ref is not None and ref() is not None
 
     def mark_charged(self, t: torch.Tensor) -> None:
         """Never charge ``t``'s storage as activations this step (it is charged otherwise)."""

@@ -13,14 +13,19 @@ model's forward, keeps it for the whole step and updates it after the backward, 
 read anywhere in the model's own ``forward`` and passed into blocks as an argument. It comes
 first in :func:`find_blocks`' list and in the graph, as an op of kind ``"resident"``.
 
-Activation bytes come from a shape trace (no memory, no compute, no random numbers drawn, no
-statistics updated): forward hooks mark which block runs, and ``saved_tensors_hooks`` sees every
-tensor autograd keeps for backward. What an op saves depends on the kernel the compute device
-picks (on the CPU, ``scaled_dot_product_attention`` runs a fused kernel that keeps the output and
-its log-sum-exp; the ``meta`` device runs the unfused math, which also keeps the attention
-matrix), so a CPU step is traced with fake tensors of the CPU (:data:`FAKE_TRACE_DEVICES`), which
-pick the CPU's kernels, and anything else (or a model the fake trace cannot run) on ``meta``: the
-unfused ops save at least what the fused ones do, an upper bound. Per block the graph
+Activation bytes come from a shape trace (no random numbers drawn, no statistics updated, the
+modules' cached tensors put back): forward hooks mark which block runs, and
+``saved_tensors_hooks`` sees every tensor autograd keeps for backward. What an op saves depends
+on the kernel the compute device picks (on the CPU, ``scaled_dot_product_attention`` runs a
+fused kernel that keeps the output and its log-sum-exp; the ``meta`` device runs the unfused
+math, which also keeps the attention matrix), so a CPU step is traced with fake tensors of the
+CPU (:data:`FAKE_TRACE_DEVICES`), which pick the CPU's kernels, and anything else (or a model the
+fake trace cannot run) on ``meta``, where the unfused ops save at least what fused ones do.
+Neither sees a kernel's private workspace: a CPU LSTM keeps one its fake and meta kernels report
+empty, so every recurrent layer (LSTM, GRU, RNN) of a block is also run for real, configured the
+same with fresh weights, on one and two windows of zeros on the CPU, and the block's saved bytes
+are raised to that (a few KiB of real compute; a GPU's cuDNN workspaces are not measured). An op
+without a fake kernel may run its real kernel on empty data. Per block the graph
 records (per window, i.e. per sample of the batch):
 
 * ``output_bytes``: the block's output tensors;
@@ -36,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -184,8 +189,9 @@ def _nbytes(t: torch.Tensor) -> int:
 
 @dataclass
 class _BlockRun:
-    """One forward of the model on the meta device, per block: bytes saved for the backward and of
-    the output, the output's elements per channel, the order the blocks ran in."""
+    """One shape-traced forward of the model, per block: bytes saved for the backward and of the
+    output, the output's elements per channel, the order the blocks ran in, and the recurrent
+    layers' calls (whose kernels' workspaces the trace does not see)."""
 
     order: list[int]
     saved_bytes: dict[int, int]
@@ -193,11 +199,25 @@ class _BlockRun:
     out_numel_per_ch: dict[int, int]
     output: object
     outside_saved_bytes: int  # what the model's own code between the blocks saved
+    recurrent: list[_RecurrentCall] = field(default_factory=list)
+
+
+@dataclass
+class _RecurrentCall:
+    """A recurrent layer's call inside block ``block``: its input's shape and the bytes the trace
+    saw it save."""
+
+    block: int
+    module: nn.RNNBase
+    input_shape: tuple[int, ...]
+    traced_bytes: int
+    input_order: tuple[int, ...] = ()  # the input's dimensions from the outermost in memory (a transposed view)
 
 
 def _run_blocks(model: nn.Module, blocks: list[Block], state: dict[str, torch.Tensor], param_keys: set[int],
-                meta_inputs: tuple) -> _BlockRun:
-    """Run the model once on ``meta_inputs`` with hooks on the streamed blocks (see :func:`trace_graph`)."""
+                traced_inputs: tuple) -> _BlockRun:
+    """Run the model once on ``traced_inputs`` (meta or fake tensors) with hooks on the streamed
+    blocks (see :func:`trace_graph`)."""
     by_module = {id(b.module): i for i, b in enumerate(blocks) if not b.resident}
     order: list[int] = []
     saved: dict[int, dict[int, int]] = {i: {} for i in range(len(blocks))}
@@ -236,7 +256,7 @@ def _run_blocks(model: nn.Module, blocks: list[Block], state: dict[str, torch.Te
     outside: dict[int, int] = {}
     block_outs: set[int] = set()
     keep: list[torch.Tensor] = []
-    input_keys = {_storage_key(t) for t in nested_tensors(meta_inputs)}
+    input_keys = {_storage_key(t) for t in nested_tensors(traced_inputs)}
 
     def pack(t: torch.Tensor):
         key = _storage_key(t)
@@ -251,16 +271,33 @@ def _run_blocks(model: nn.Module, blocks: list[Block], state: dict[str, torch.Te
             outside[key] = max(outside.get(key, 0), _held(t))
         return t
 
+    recurrent: list[_RecurrentCall] = []
+
+    def rnn_pre(mod, args):
+        if active and args and isinstance(args[0], torch.Tensor):
+            i = active[-1]
+            x = args[0]
+            order = tuple(sorted(range(x.dim()), key=lambda d: -x.stride(d)))
+            recurrent.append(_RecurrentCall(i, mod, tuple(x.shape), -sum(saved[i].values()), order))
+
+    def rnn_post(mod, args, out):
+        if recurrent and recurrent[-1].module is mod and recurrent[-1].traced_bytes <= 0:
+            recurrent[-1].traced_bytes += sum(saved[recurrent[-1].block].values())
+
     handles = []
     for b in blocks:
         if b.resident:
             continue
         handles.append(b.module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(b.module.register_forward_hook(post))
+        for m in b.module.modules():
+            if isinstance(m, nn.RNNBase):
+                handles.append(m.register_forward_pre_hook(rnn_pre))
+                handles.append(m.register_forward_hook(rnn_post))
     try:
         with torch.random.fork_rng(devices=[]), torch.enable_grad(), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = torch.func.functional_call(model, state, meta_inputs, strict=False)
+            out = torch.func.functional_call(model, state, traced_inputs, strict=False)
     finally:
         for h in handles:
             h.remove()
@@ -275,7 +312,89 @@ def _run_blocks(model: nn.Module, blocks: list[Block], state: dict[str, torch.Te
         if key not in block_outs and key not in input_keys and key not in param_keys:
             outside[key] = max(outside.get(key, 0), _held(t))
     return _BlockRun(order, {i: sum(v.values()) for i, v in saved.items()}, out_bytes, out_numel_per_ch, out,
-                     sum(v for k, v in outside.items() if k not in block_outs))
+                     sum(v for k, v in outside.items() if k not in block_outs), recurrent)
+
+
+def _recurrent_saved_bytes(module: nn.RNNBase, input_shape: tuple[int, ...],
+                           input_order: tuple[int, ...] = ()) -> int | None:
+    """What a real CPU forward of a layer configured like ``module`` keeps for its backward on an
+    input of ``input_shape`` laid out in memory as ``input_order`` (its dimensions from the
+    outermost; a kernel copies a transposed input and keeps the copy), parameters and input
+    excluded, from runs on one and two windows of zeros with fresh weights (the kernels'
+    workspaces grow with the windows); ``None`` where the layer cannot be rebuilt (a packed
+    sequence, an unknown subclass's constructor)."""
+    kinds = [k for k in (nn.LSTM, nn.GRU, nn.RNN) if isinstance(module, k)]
+    if not kinds or len(input_shape) not in (2, 3):
+        return None
+    kw = dict(input_size=module.input_size, hidden_size=module.hidden_size, num_layers=module.num_layers,
+              bias=module.bias, batch_first=module.batch_first, dropout=module.dropout,
+              bidirectional=module.bidirectional)
+    if kinds[0] is nn.LSTM:
+        kw["proj_size"] = module.proj_size
+    if kinds[0] is nn.RNN:
+        kw["nonlinearity"] = module.nonlinearity
+    axis = (0 if module.batch_first else 1) if len(input_shape) == 3 else None
+    batch = input_shape[axis] if axis is not None else 1
+
+    def measured(windows: int) -> int:
+        shape = list(input_shape)
+        if axis is not None:
+            shape[axis] = windows
+        layer = kinds[0](**kw).train(module.training)
+        order = input_order if sorted(input_order) == list(range(len(shape))) else tuple(range(len(shape)))
+        x = torch.zeros([shape[d] for d in order]).permute(*(order.index(d) for d in range(len(shape))))
+        x.requires_grad_()
+        skip = {t.untyped_storage().data_ptr() for t in (x, *layer.parameters())}
+        storages: dict[int, int] = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in skip:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.random.fork_rng(devices=[]), torch.enable_grad(), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = layer(x)
+        del out
+        return sum(storages.values())
+
+    try:
+        one, two = measured(1), measured(2)
+    except Exception:  # noqa: BLE001 - a layer that cannot be rebuilt this way is left as traced
+        return None
+    return one + max(0, two - one) * (batch - 1)
+
+
+def _add_recurrent_workspaces(run: _BlockRun) -> None:
+    """Raise each block's saved bytes to what its recurrent layers' real CPU kernels keep (a CPU
+    LSTM keeps a workspace its fake and meta kernels report empty)."""
+    for call in run.recurrent:
+        real = _recurrent_saved_bytes(call.module, call.input_shape, call.input_order)
+        if real is not None and real > call.traced_bytes:
+            run.saved_bytes[call.block] += real - call.traced_bytes
+
+
+def _attributes(model: nn.Module) -> dict[tuple[int, str], tuple[nn.Module, object]]:
+    """Every module's own attributes (``vars``), by module and name."""
+    return {(id(m), k): (m, v) for m in model.modules() for k, v in vars(m).items()}
+
+
+@contextlib.contextmanager
+def _restoring(model: nn.Module):
+    """Put back the modules' plain tensor attributes after a traced forward: a table a forward
+    caches on its module (positions, masks) must not stay a meta or fake tensor, and an attribute
+    the forward set from nothing (``None``, or absent) returns to that."""
+    before = _attributes(model)
+    try:
+        yield
+    finally:
+        for key, (m, v) in _attributes(model).items():
+            if not isinstance(v, torch.Tensor):
+                continue
+            if key not in before:
+                del m.__dict__[key[1]]
+            elif before[key][1] is not v:
+                m.__dict__[key[1]] = before[key][1]
 
 
 def _trace_runs(model: nn.Module, blocks: list[Block], inputs: tuple, param_shapes: dict[str, tuple[int, ...]],
@@ -284,7 +403,7 @@ def _trace_runs(model: nn.Module, blocks: list[Block], inputs: tuple, param_shap
     or runs the blocks in another order), on ``meta`` or with fake tensors of device type ``kind``,
     and the traced parameters by name."""
     space = contextlib.nullcontext() if kind == "meta" else FakeTensorMode(allow_non_fake_inputs=True)
-    with space:
+    with _restoring(model), space:
         traced = tuple(torch.empty(t.shape, dtype=t.dtype, device=kind) if isinstance(t, torch.Tensor) else t
                        for t in inputs)
         state = {n: torch.empty(shape, device=kind, requires_grad=True) for n, shape in param_shapes.items()}
@@ -299,6 +418,9 @@ def _trace_runs(model: nn.Module, blocks: list[Block], inputs: tuple, param_shap
                 one = None
             if one is not None and one.order != whole.order:
                 one = None
+    for run in (whole, one):
+        if run is not None:
+            _add_recurrent_workspaces(run)
     # the loss is measured on meta from the output's shapes: no fake tensor leaves this function
     whole.output = tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta")
                             if isinstance(t, torch.Tensor) else t, whole.output)
@@ -328,8 +450,9 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
             ``"like"`` the output); ``None``: each kind is tried; a loss that takes neither is
             left unmeasured.
         device: the compute device the step will run on: a type in :data:`FAKE_TRACE_DEVICES` is
-            traced with its own kernels (fake tensors), any other, or ``None``, on ``meta`` (an
-            upper bound of what the device's kernels save).
+            traced with its own kernels (fake tensors), any other, or ``None``, on ``meta`` (the
+            unfused math: at least what fused kernels save); recurrent layers are measured on the
+            CPU either way (module docstring).
 
     Returns:
         A :class:`Graph` with one op of kind ``"block"`` per streamed block, in execution

@@ -4,11 +4,15 @@ it and the trainer charges it with what the code between blocks saves."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from server_helpers import Scaled
+from torch import nn
 
+from edgeadapt.sched import NoFeasiblePlan
 from edgeadapt.server import Trainer, trace_graph
+from edgeadapt.server.trainer import plan_training
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -33,5 +37,26 @@ def test_the_trainer_charges_arguments_the_model_made(tmp_path, offload, recompu
     model.head.register_forward_hook(lambda *_: seen.append(trainer.ledger.held("activations:outside")))
     trainer.step(x, y)
     assert seen == [batch * (3 * 64 * 4 + 4)]
+    assert trainer.tracked_peak_bytes <= trainer.plan.predicted.peak_bytes
+    trainer.close()
+
+
+@pytest.mark.parametrize("offload", ["host", "disk"])
+def test_an_input_and_target_over_one_array_are_charged_once(tmp_path, offload):
+    # an autoencoder's input and target made from one numpy array: two storages over the same
+    # memory, which the batch's charge already covers (never charged again as an activation)
+    arr = np.random.default_rng(0).standard_normal((32, 64)).astype(np.float32)
+    x, y = torch.from_numpy(arr), torch.from_numpy(arr)
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 16), nn.Linear(16, 64))
+
+    with pytest.raises(NoFeasiblePlan) as e:
+        plan_training(make(), x, offload=offload, memory_budget=100, device="cpu", recompute=False, loss="mse",
+                      example_target=y)
+    trainer = Trainer(make(), loss="mse", optimizer={"name": "adamw", "lr": 1e-3}, memory_budget=e.value.need_bytes,
+                      offload=offload, offload_dir=tmp_path, device="cpu", recompute=False, example_input=x)
+    trainer.step(x, y)
     assert trainer.tracked_peak_bytes <= trainer.plan.predicted.peak_bytes
     trainer.close()

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from server_helpers import batches, make_mlp, reference_train
+from server_helpers import batches, make_mlp, reference_train, saved_by_forward
 
-from edgeadapt.server import Trainer
+from edgeadapt.models import build_gpt
+from edgeadapt.server import Trainer, find_blocks
+from edgeadapt.server import trace as trace_mod
 from edgeadapt.server.progress import memory_fields
 
 pytestmark = [pytest.mark.gpu,
@@ -43,3 +45,20 @@ def test_cuda_offload_matches_plain_cuda_training(offload, recompute, tmp_path):
     for k in want:  # same GPU kernels and the same CPU AdamW: only float32 rounding of the kernels may differ
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5)
     t.close()
+
+
+def test_a_cuda_fake_trace_against_the_cuda_kernels():
+    """Whether CUDA may join FAKE_TRACE_DEVICES: a fake trace on CUDA must count what the CUDA
+    kernels save (the fused attention's output and log-sum-exp), never less; the meta trace (what
+    CUDA plans use today) must count at least as much."""
+    torch.manual_seed(0)
+    model = build_gpt("gpt-nano", vocab_size=64, context_len=64, d_model=64, n_layers=2, n_heads=2).cuda()
+    ids = torch.randint(0, 64, (3, 64), device="cuda")
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    blocks = find_blocks(model)
+    fake, _, _ = trace_mod._trace_runs(model, blocks, (ids,), shapes, 3, "cuda")
+    meta, _, _ = trace_mod._trace_runs(model, blocks, (ids,), shapes, 3, "meta")
+    i = next(k for k, b in enumerate(blocks) if b.name == "blocks.0")
+    real = saved_by_forward(model.blocks[0], torch.randn(3, 64, 64, device="cuda", requires_grad=True))
+    assert fake.saved_bytes[i] == real
+    assert meta.saved_bytes[i] >= real

@@ -4,8 +4,8 @@ never exceeds the plan's prediction (nor the budget: no BudgetExceeded). The mod
 MLPs with a wide or narrow head, a model with parameters and dropout in its own code, a CNN, and
 models whose own code does what the blocks do not show: a tuple output, a table built in the
 forward that does not grow with the batch, a final output made after the last block, a saved
-buffer, blocks called on tensors the model made, and a GPT with dropout in attention (saved
-pieces of a larger tensor)."""
+buffer, blocks called on tensors the model made, recurrent layers, and a GPT with dropout in
+attention (saved pieces of a larger tensor)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import random
 
 import pytest
 import torch
-from server_helpers import Scaled, make_cnn, make_mlp, make_root
+from server_helpers import Recurrent, Scaled, make_cnn, make_mlp, make_root
 from torch import nn
 
 from edgeadapt.models import build_gpt, token_cross_entropy
@@ -70,7 +70,11 @@ def _seeded(factory, **kw):
 
 def _case(rng: random.Random):
     batch = rng.randint(2, 12)
-    kind = rng.choice(["mlp", "root", "cnn", "tuple", "own", "gpt", "scaled"])
+    kind = rng.choice(["mlp", "root", "cnn", "tuple", "own", "gpt", "scaled", "recurrent"])
+    if kind == "recurrent":  # a CPU LSTM keeps a workspace no shape trace sees
+        cell, width = rng.choice(["lstm", "gru", "rnn"]), rng.choice([8, 32])
+        return _seeded(Recurrent, kind=cell, width=width), torch.randn(batch, 12, 4), torch.randint(0, 5, (batch,)), \
+            "cross_entropy"
     if kind == "scaled":  # blocks called on tensors the model's own code made, and a keyword mask
         width, depth = rng.choice([16, 64]), rng.randint(1, 3)
         return _seeded(Scaled, width=width, depth=depth), torch.randn(batch, 12), torch.randint(0, 5, (batch,)), \

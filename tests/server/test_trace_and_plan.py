@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from server_helpers import make_cnn, make_mlp
+from server_helpers import make_cnn, make_mlp, saved_by_forward
 from torch import nn
 
 from edgeadapt.sched import Graph, Op, Param, Plan
@@ -45,22 +45,6 @@ def test_trace_counts_match_a_hand_count_and_leave_the_model_untouched():
     Graph.from_dict(json.loads(json.dumps(g.to_dict())))
 
 
-def _saved_on_cpu(block: nn.Module, x: torch.Tensor) -> int:
-    """Bytes of the storages a real CPU forward of ``block`` keeps for backward, its parameters and
-    its input excluded (what the trainer's ledger charges to a kept block)."""
-    storages: dict[int, int] = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = block(x)
-    excluded = {p.untyped_storage().data_ptr() for p in block.parameters()} | {x.untyped_storage().data_ptr()}
-    del out
-    return sum(n for ptr, n in storages.items() if ptr not in excluded)
-
-
 @pytest.mark.parametrize("heads,context", [(2, 32), (4, 16)])
 def test_a_cpu_trace_counts_what_the_cpu_kernels_save(heads, context):
     # the CPU's fused attention keeps its output and log-sum-exp; the meta device runs the unfused
@@ -71,7 +55,7 @@ def test_a_cpu_trace_counts_what_the_cpu_kernels_save(heads, context):
     ids = torch.randint(0, 64, (batch, context))
     on_cpu, on_meta = trace_graph(model, ids, device="cpu"), trace_graph(model, ids)
     hidden = torch.randn(batch, context, 32, requires_grad=True)
-    real = _saved_on_cpu(model.blocks[0], hidden)
+    real = saved_by_forward(model.blocks[0], hidden)
     cpu_op = next(o for o in on_cpu.ops if o.name == "blocks.0")
     meta_op = next(o for o in on_meta.ops if o.name == "blocks.0")
     assert cpu_op.saved_bytes * batch == real
@@ -147,3 +131,50 @@ def test_bad_arguments_are_refused():
     for kw in ({"tier": "gpu"}, {"recompute": "sometimes"}, {"prefetch_depth": -1}, {"optimizer": "lamb"}):
         with pytest.raises(ValueError):
             plan_offload(g, 10**6, **kw)
+
+
+class _Recurrent(nn.Module):
+    """A two-layer recurrent block on batch-first windows (transposed for a time-first layer)."""
+
+    def __init__(self, kind: type[nn.RNNBase], batch_first: bool):
+        super().__init__()
+        self.rnn = kind(8, 16, batch_first=batch_first, num_layers=2)
+
+    def forward(self, x):
+        if self.rnn.batch_first:
+            return self.rnn(x)[0]
+        return self.rnn(x.transpose(0, 1))[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("kind", [nn.LSTM, nn.GRU, nn.RNN])
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_recurrent_blocks_count_their_kernels_workspace(kind, batch_first):
+    # a CPU LSTM keeps a workspace its fake and meta kernels report empty: the trace measures the
+    # layer for real, so the plan counts at least what a real forward keeps
+    torch.manual_seed(0)
+    model = nn.Sequential(_Recurrent(kind, batch_first))
+    x = torch.randn(3, 10, 8)
+    real = saved_by_forward(model[0], x.clone().requires_grad_())
+    for device in ("cpu", None):
+        assert trace_graph(model, x, device=device).ops[0].saved_bytes * 3 >= real, (kind, device)
+
+
+def test_the_trace_puts_back_what_a_forward_caches_on_its_module():
+    class Cached(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = None
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            if self.table is None or self.table.device != x.device or self.table.shape[0] != x.shape[1]:
+                self.table = torch.cos(torch.arange(x.shape[1], dtype=x.dtype, device=x.device))[:, None]
+            return self.lin(x) * self.table
+
+    model = Cached()
+    kept = torch.ones(1)
+    model.other = kept
+    trace_graph(model, torch.randn(2, 5, 4), device="cpu")
+    assert model.table is None and model.other is kept
+    model(torch.randn(2, 5, 4)).sum().backward()  # the real forward builds its own table
+    assert isinstance(model.table, torch.Tensor) and model.table.device.type == "cpu"
