@@ -85,6 +85,9 @@ class Op:
         workspace_bytes: transient bytes per window while it runs (forward), freed after.
         flops: forward FLOPs per window (backward is costed as 2x by the planner).
         module: the module path it belongs to.
+        saved_fixed_bytes: bytes its backward keeps once per pass whatever its windows (a
+            kernel's workspace, a table built in the forward), beside ``saved_bytes`` per window;
+            0 where everything grows with the windows (ONNX graphs).
         differentiable: ``False`` when the training runtime cannot propagate a gradient through
             it (an op without a gradient); no parameter whose gradient must flow through such an
             op can train (:meth:`Graph.gradient_blocked`). Default ``True`` (graphs written
@@ -101,6 +104,7 @@ class Op:
     flops: int = 0
     module: str = ""
     differentiable: bool = True
+    saved_fixed_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.differentiable, bool):
@@ -108,7 +112,7 @@ class Op:
         object.__setattr__(self, "params", tuple(self.params))
         object.__setattr__(self, "inputs", tuple(self.inputs))
         _check_nonneg(f"op {self.name!r}", output_bytes=self.output_bytes, saved_bytes=self.saved_bytes,
-                      workspace_bytes=self.workspace_bytes, flops=self.flops)
+                      workspace_bytes=self.workspace_bytes, flops=self.flops, saved_fixed_bytes=self.saved_fixed_bytes)
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,8 @@ class Graph:
             saved tensors, its backward's transients, the gradient it hands to the output).
         outside_saved_bytes: per window, what the model's own code outside every op (between the
             server's blocks) saves for the backward; 0 when not measured.
+        outside_fixed_bytes: what that code keeps once per pass whatever its windows (a table
+            built in the forward), beside ``outside_saved_bytes`` per window.
     """
 
     ops: tuple[Op, ...]
@@ -135,6 +141,7 @@ class Graph:
     loss_saved_bytes: int = 0
     loss_peak_bytes: int = 0
     outside_saved_bytes: int = 0
+    outside_fixed_bytes: int = 0
     _op_index: dict[str, int] = field(init=False, repr=False, compare=False)
     _param_index: dict[str, Param] = field(init=False, repr=False, compare=False)
     _owner: dict[str, int] = field(init=False, repr=False, compare=False)
@@ -143,7 +150,8 @@ class Graph:
         object.__setattr__(self, "ops", tuple(self.ops))
         object.__setattr__(self, "params", tuple(self.params))
         _check_nonneg(f"graph {self.name!r}", input_bytes=self.input_bytes, loss_saved_bytes=self.loss_saved_bytes,
-                      loss_peak_bytes=self.loss_peak_bytes, outside_saved_bytes=self.outside_saved_bytes)
+                      loss_peak_bytes=self.loss_peak_bytes, outside_saved_bytes=self.outside_saved_bytes,
+                      outside_fixed_bytes=self.outside_fixed_bytes)
         if not self.ops:
             raise ValueError(f"graph {self.name!r} has no ops")
         op_index: dict[str, int] = {}
@@ -216,13 +224,15 @@ class Graph:
             "ops": [{"name": o.name, "kind": o.kind, "params": list(o.params), "inputs": list(o.inputs),
                      "output_bytes": o.output_bytes, "saved_bytes": o.saved_bytes,
                      "workspace_bytes": o.workspace_bytes, "flops": o.flops, "module": o.module,
-                     # only when False: graphs without such ops serialise as before the field existed
-                     **({} if o.differentiable else {"differentiable": False})}
+                     # only when False / nonzero: graphs without them serialise as before the fields existed
+                     **({} if o.differentiable else {"differentiable": False}),
+                     **({"saved_fixed_bytes": o.saved_fixed_bytes} if o.saved_fixed_bytes else {})}
                     for o in self.ops],
             # only when measured: graphs without a loss serialise as before the fields existed
             **({"loss_saved_bytes": self.loss_saved_bytes, "loss_peak_bytes": self.loss_peak_bytes}
                if self.loss_peak_bytes else {}),
             **({"outside_saved_bytes": self.outside_saved_bytes} if self.outside_saved_bytes else {}),
+            **({"outside_fixed_bytes": self.outside_fixed_bytes} if self.outside_fixed_bytes else {}),
         }
 
     @classmethod
@@ -231,4 +241,5 @@ class Graph:
                    params=tuple(Param(**{**p, "shape": tuple(p["shape"])}) for p in d["params"]),
                    input_bytes=d["input_bytes"], name=d.get("name", "model"),
                    loss_saved_bytes=d.get("loss_saved_bytes", 0), loss_peak_bytes=d.get("loss_peak_bytes", 0),
-                   outside_saved_bytes=d.get("outside_saved_bytes", 0))
+                   outside_saved_bytes=d.get("outside_saved_bytes", 0),
+                   outside_fixed_bytes=d.get("outside_fixed_bytes", 0))

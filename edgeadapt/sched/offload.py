@@ -79,7 +79,11 @@ step's input batch is held throughout):
   cross-entropy, three tensors of the logits' size); its saved tensors
   (``Graph.loss_saved_bytes``) stay charged through every block's backward;
 * what the model's own code between blocks saves, and a final output it makes after the last
-  block (``Graph.outside_saved_bytes``): held from the forward's start to the backward's end.
+  block (``Graph.outside_saved_bytes`` per window, ``Graph.outside_fixed_bytes`` once): held from
+  the forward's start to the backward's end.
+
+A block's saved bytes for ``b`` windows are ``b x Op.saved_bytes + Op.saved_fixed_bytes`` (what
+does not grow with the windows, such as a kernel's workspace, counts once per micro-batch).
 
 Accumulated gradients (micro-batches > 1) live in the state's tier, beside the master weights
 (host memory or files on disk), never in the compute tier: what the compute tier holds of them
@@ -237,8 +241,8 @@ def block_costs(graph: Graph, batch_windows: int, *, optimizer: str = "adamw",
         if op.kind == RESIDENT_KIND:
             out.append(BlockCost(op.name, held, w, st, 0, 0, 0, resident=True))
             continue
-        out.append(BlockCost(op.name, held, w, st, op.saved_bytes * batch_windows, op.output_bytes * batch_windows,
-                             prev_out * batch_windows))
+        out.append(BlockCost(op.name, held, w, st, op.saved_bytes * batch_windows + op.saved_fixed_bytes,
+                             op.output_bytes * batch_windows, prev_out * batch_windows))
         prev_out = op.output_bytes
     return out
 
@@ -417,7 +421,7 @@ def plan_offload(graph: Graph, budget_bytes: int, *, batch_windows: int = 1, tie
         # what the model's own code between blocks saves is held, like the loss's saved tensors,
         # until the backward ends; counted from the forward's start (an upper bound)
         return {"loss_saved_bytes": graph.loss_saved_bytes * mb, "loss_peak_bytes": graph.loss_peak_bytes * mb,
-                "outside_saved_bytes": graph.outside_saved_bytes * mb}
+                "outside_saved_bytes": graph.outside_saved_bytes * mb + graph.outside_fixed_bytes}
 
     def fit(mb: int, depth: int, chunk: int, overlap: UpdateOverlap) -> _Setting | None:
         """The plan of these knobs with the least recompute that fits, or None."""

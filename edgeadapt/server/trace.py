@@ -23,14 +23,15 @@ CPU (:data:`FAKE_TRACE_DEVICES`), which pick the CPU's kernels, and anything els
 fake trace cannot run) on ``meta``, where the unfused ops save at least what fused ones do.
 Neither sees a kernel's private workspace: a CPU LSTM keeps one its fake and meta kernels report
 empty, so every recurrent layer (LSTM, GRU, RNN) of a block is also run for real, configured the
-same with fresh weights, on one and two windows of zeros on the CPU, and the block's saved bytes
-are raised to that (a few KiB of real compute; a GPU's cuDNN workspaces are not measured). An op
-without a fake kernel may run its real kernel on empty data. Per block the graph
+same with fresh weights, on one and two windows of zeros on the CPU, and counted per window
+instead of its traced bytes (:func:`_recurrent_window_bytes`; a GPU's cuDNN workspaces are not
+measured). An op without a fake kernel may run its real kernel on empty data. Per block the graph
 records (per window, i.e. per sample of the batch):
 
 * ``output_bytes``: the block's output tensors;
-* ``saved_bytes``: what its backward keeps, parameters and the block's own inputs excluded
-  (inputs are the previous block's output and are counted there);
+* ``saved_bytes`` / ``saved_fixed_bytes``: what its backward keeps per window and once per pass,
+  parameters and the block's own inputs excluded (inputs are the previous block's output and
+  are counted there, or, made by the model's own code, with what that code keeps);
 * ``workspace_bytes``: ``output_bytes`` again (the block's output while it is produced);
 * ``flops``: ``2 * parameter elements * positions`` where positions is the output's element
   count over its channel axis, a rough figure the planner only uses for reports.
@@ -50,7 +51,7 @@ from torch.utils._pytree import tree_map
 
 from ..sched.ir import DTYPE_BYTES, Graph, Op, Param
 from ..sched.offload import RESIDENT_KIND
-from .loss_memory import TargetKind, first_window, loss_memory_per_window, per_window_bytes
+from .loss_memory import TargetKind, affine_bytes, first_window, loss_memory_per_window, per_window_bytes
 
 __all__ = ["Block", "find_blocks", "trace_graph", "BlockError", "ROOT_BLOCK", "nested_tensors", "FAKE_TRACE_DEVICES"]
 
@@ -315,14 +316,16 @@ def _run_blocks(model: nn.Module, blocks: list[Block], state: dict[str, torch.Te
                      sum(v for k, v in outside.items() if k not in block_outs), recurrent)
 
 
-def _recurrent_saved_bytes(module: nn.RNNBase, input_shape: tuple[int, ...],
-                           input_order: tuple[int, ...] = ()) -> int | None:
-    """What a real CPU forward of a layer configured like ``module`` keeps for its backward on an
-    input of ``input_shape`` laid out in memory as ``input_order`` (its dimensions from the
-    outermost; a kernel copies a transposed input and keeps the copy), parameters and input
-    excluded, from runs on one and two windows of zeros with fresh weights (the kernels'
-    workspaces grow with the windows); ``None`` where the layer cannot be rebuilt (a packed
-    sequence, an unknown subclass's constructor)."""
+def _recurrent_window_bytes(module: nn.RNNBase, input_shape: tuple[int, ...],
+                            input_order: tuple[int, ...] = ()) -> int | None:
+    """Bytes per window that a real CPU forward of a layer configured like ``module`` keeps for its
+    backward on an input of ``input_shape`` laid out in memory as ``input_order`` (its dimensions
+    from the outermost; a kernel copies a transposed input and keeps the copy), parameters and
+    input excluded: the larger of a run on one window and half a run on two, with fresh weights and
+    zeros. A CPU LSTM's workspace does not grow evenly with the windows (for 2 x 16 units over 10
+    steps: 59, 70, 113, 123, 133, 177 KB for 1 to 6 windows) but has a large part that does not
+    grow at all, so the one-window run's bytes per window bound every size met. ``None`` where
+    the layer cannot be rebuilt (a packed sequence, an unknown subclass's constructor)."""
     kinds = [k for k in (nn.LSTM, nn.GRU, nn.RNN) if isinstance(module, k)]
     if not kinds or len(input_shape) not in (2, 3):
         return None
@@ -334,7 +337,6 @@ def _recurrent_saved_bytes(module: nn.RNNBase, input_shape: tuple[int, ...],
     if kinds[0] is nn.RNN:
         kw["nonlinearity"] = module.nonlinearity
     axis = (0 if module.batch_first else 1) if len(input_shape) == 3 else None
-    batch = input_shape[axis] if axis is not None else 1
 
     def measured(windows: int) -> int:
         shape = list(input_shape)
@@ -359,19 +361,22 @@ def _recurrent_saved_bytes(module: nn.RNNBase, input_shape: tuple[int, ...],
         return sum(storages.values())
 
     try:
-        one, two = measured(1), measured(2)
+        return max(measured(1), -(-measured(2) // 2)) if axis is not None else measured(1)
     except Exception:  # noqa: BLE001 - a layer that cannot be rebuilt this way is left as traced
         return None
-    return one + max(0, two - one) * (batch - 1)
 
 
-def _add_recurrent_workspaces(run: _BlockRun) -> None:
-    """Raise each block's saved bytes to what its recurrent layers' real CPU kernels keep (a CPU
-    LSTM keeps a workspace its fake and meta kernels report empty)."""
+def _take_out_recurrent(run: _BlockRun) -> dict[int, int]:
+    """Take the recurrent layers' traced bytes out of their blocks' saved bytes and return, per
+    block, what their real CPU kernels keep per window (a CPU LSTM keeps a workspace its fake and
+    meta kernels report empty) to be counted per window beside the rest."""
+    per_window: dict[int, int] = {}
     for call in run.recurrent:
-        real = _recurrent_saved_bytes(call.module, call.input_shape, call.input_order)
-        if real is not None and real > call.traced_bytes:
-            run.saved_bytes[call.block] += real - call.traced_bytes
+        real = _recurrent_window_bytes(call.module, call.input_shape, call.input_order)
+        if real is not None:
+            run.saved_bytes[call.block] -= call.traced_bytes
+            per_window[call.block] = per_window.get(call.block, 0) + real
+    return per_window
 
 
 def _attributes(model: nn.Module) -> dict[tuple[int, str], tuple[nn.Module, object]]:
@@ -398,10 +403,11 @@ def _restoring(model: nn.Module):
 
 
 def _trace_runs(model: nn.Module, blocks: list[Block], inputs: tuple, param_shapes: dict[str, tuple[int, ...]],
-                batch: int, kind: str) -> tuple[_BlockRun, _BlockRun | None, dict[str, torch.Tensor]]:
+                batch: int, kind: str) -> tuple[_BlockRun, _BlockRun | None, dict[str, torch.Tensor], dict[int, int]]:
     """The forward of the whole batch and of its first window alone (``None`` when that cannot run
-    or runs the blocks in another order), on ``meta`` or with fake tensors of device type ``kind``,
-    and the traced parameters by name."""
+    or runs the blocks in another order), on ``meta`` or with fake tensors of device type ``kind``
+    (their saved bytes without the recurrent layers'), the traced parameters by name, and per block
+    what its recurrent layers keep per window (measured on the CPU)."""
     space = contextlib.nullcontext() if kind == "meta" else FakeTensorMode(allow_non_fake_inputs=True)
     with _restoring(model), space:
         traced = tuple(torch.empty(t.shape, dtype=t.dtype, device=kind) if isinstance(t, torch.Tensor) else t
@@ -418,14 +424,14 @@ def _trace_runs(model: nn.Module, blocks: list[Block], inputs: tuple, param_shap
                 one = None
             if one is not None and one.order != whole.order:
                 one = None
-    for run in (whole, one):
-        if run is not None:
-            _add_recurrent_workspaces(run)
+    recurrent = _take_out_recurrent(whole)
+    if one is not None and _take_out_recurrent(one) != recurrent:
+        one = None  # the layers ran differently on one window: the batch's share alone
     # the loss is measured on meta from the output's shapes: no fake tensor leaves this function
     whole.output = tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta")
                             if isinstance(t, torch.Tensor) else t, whole.output)
     named = {n: torch.empty(shape, device="meta") for n, shape in param_shapes.items()}
-    return whole, one, named
+    return whole, one, named, recurrent
 
 
 def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.Tensor],
@@ -437,9 +443,11 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
     Args:
         model: the model (left untouched: no buffers change, no random numbers are drawn).
         example_input: one batch (or a tuple of positional inputs); byte counts are divided by
-            its first dimension to give per-window figures, each raised to the first window's
-            alone when that is larger (what does not grow with the batch, such as positions
-            built inside the model, counts once per window: an upper bound for any micro-batch).
+            its first dimension to give per-window figures. Saved bytes (a block's, and those of
+            the model's own code) come from the batch and its first window traced alone as a
+            fixed part and a part per window (what does not grow with the batch, such as a
+            kernel's workspace or positions built inside the model, counts once per pass); the
+            outputs and the loss are the larger of the batch's share and the first window's.
         blocks: the blocks, as :func:`find_blocks` returns them (computed if omitted).
         param_shapes: parameter shapes to trace with, when the module's own parameters no longer
             hold them (a model whose weights the trainer has moved out); float32 assumed.
@@ -479,7 +487,7 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
                      type(model).__name__, type(e).__name__, e)
     if runs is None:
         runs = _trace_runs(model, blocks, inputs, param_shapes, batch, "meta")
-    whole, one, named = runs
+    whole, one, named, recurrent = runs
     order, out = whole.order, whole.output
     params: list[Param] = []
     ops: list[Op] = []
@@ -504,8 +512,11 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
         b = blocks[i]
         add_params(b)
         numel = sum(named[pn].numel() for pn in b.param_names)
+        saved_per_window, saved_fixed = affine_bytes(whole.saved_bytes[i],
+                                                     None if one is None else one.saved_bytes[i], batch)
+        saved = (saved_per_window + recurrent.get(i, 0), saved_fixed)
         ops.append(Op(b.name, "block", params=b.param_names, inputs=() if prev is None else (prev,),
-                      output_bytes=per_window("out_bytes", i), saved_bytes=per_window("saved_bytes", i),
+                      output_bytes=per_window("out_bytes", i), saved_bytes=saved[0], saved_fixed_bytes=saved[1],
                       workspace_bytes=per_window("out_bytes", i),
                       flops=2 * numel * max(1, per(whole.out_numel_per_ch[i])), module=b.name))
         prev = b.name
@@ -518,7 +529,7 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
     # the step holds its input batch and, when the loss was measured, its targets throughout
     batch_bytes = sum(_nbytes(t) for t in inputs if isinstance(t, torch.Tensor))
     input_bytes = per(batch_bytes) + (loss.target_bytes if loss else 0)
-    outside = per_window_bytes(whole.outside_saved_bytes, one.outside_saved_bytes if one is not None else None, batch)
+    outside = affine_bytes(whole.outside_saved_bytes, one.outside_saved_bytes if one is not None else None, batch)
     return Graph(tuple(ops), tuple(params), input_bytes=input_bytes, name=type(model).__name__,
                  loss_saved_bytes=loss.saved_bytes if loss else 0, loss_peak_bytes=loss.peak_bytes if loss else 0,
-                 outside_saved_bytes=outside)
+                 outside_saved_bytes=outside[0], outside_fixed_bytes=outside[1])

@@ -56,8 +56,8 @@ def test_a_cuda_fake_trace_against_the_cuda_kernels():
     ids = torch.randint(0, 64, (3, 64), device="cuda")
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     blocks = find_blocks(model)
-    fake, _, _ = trace_mod._trace_runs(model, blocks, (ids,), shapes, 3, "cuda")
-    meta, _, _ = trace_mod._trace_runs(model, blocks, (ids,), shapes, 3, "meta")
+    fake = trace_mod._trace_runs(model, blocks, (ids,), shapes, 3, "cuda")[0]
+    meta = trace_mod._trace_runs(model, blocks, (ids,), shapes, 3, "meta")[0]
     i = next(k for k, b in enumerate(blocks) if b.name == "blocks.0")
     real = saved_by_forward(model.blocks[0], torch.randn(3, 64, 64, device="cuda", requires_grad=True))
     assert fake.saved_bytes[i] == real

@@ -156,7 +156,8 @@ def test_recurrent_blocks_count_their_kernels_workspace(kind, batch_first):
     x = torch.randn(3, 10, 8)
     real = saved_by_forward(model[0], x.clone().requires_grad_())
     for device in ("cpu", None):
-        assert trace_graph(model, x, device=device).ops[0].saved_bytes * 3 >= real, (kind, device)
+        op = trace_graph(model, x, device=device).ops[0]
+        assert op.saved_bytes * 3 + op.saved_fixed_bytes >= real, (kind, device)
 
 
 def test_the_trace_puts_back_what_a_forward_caches_on_its_module():
@@ -178,3 +179,28 @@ def test_the_trace_puts_back_what_a_forward_caches_on_its_module():
     assert model.table is None and model.other is kept
     model(torch.randn(2, 5, 4)).sum().backward()  # the real forward builds its own table
     assert isinstance(model.table, torch.Tensor) and model.table.device.type == "cpu"
+
+
+class _Table(nn.Module):
+    """A block that builds a (steps, width) table in its forward and multiplies by it (the table,
+    saved for the backward, does not grow with the windows)."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):  # (batch, steps, width)
+        steps = torch.arange(x.shape[1], dtype=x.dtype, device=x.device)
+        table = torch.cos(steps[:, None] * torch.arange(1, x.shape[2] + 1, dtype=x.dtype, device=x.device))
+        return torch.tanh(self.lin(x)) * table
+
+
+@pytest.mark.parametrize("batch", [2, 5, 8])
+def test_bytes_that_do_not_grow_with_the_windows_count_once(batch):
+    model = nn.Sequential(nn.Linear(4, 16), _Table())
+    op = trace_graph(model, torch.randn(batch, 12, 4), device="cpu").ops[1]
+    # per window: tanh's output (its backward reads it); once: the (12, 16) table (the product's
+    # backward reads it for the factor that needs a gradient)
+    assert (op.saved_bytes, op.saved_fixed_bytes) == (12 * 16 * 4, 12 * 16 * 4)
+    assert Graph.from_dict(json.loads(json.dumps(trace_graph(model, torch.randn(batch, 12, 4)).to_dict()))).ops[1] \
+        .saved_fixed_bytes == 12 * 16 * 4
