@@ -85,9 +85,9 @@ class Op:
         workspace_bytes: transient bytes per window while it runs (forward), freed after.
         flops: forward FLOPs per window (backward is costed as 2x by the planner).
         module: the module path it belongs to.
-        saved_fixed_bytes: bytes its backward keeps once per pass whatever its windows (a
-            kernel's workspace, a table built in the forward), beside ``saved_bytes`` per window;
-            0 where everything grows with the windows (ONNX graphs).
+        saved_traced_bytes: what its backward keeps for exactly ``Graph.traced_windows`` windows
+            (a server block graph's trace of a whole batch; tighter than ``saved_bytes`` times the
+            windows where part of it does not grow with them); unused when ``traced_windows`` is 0.
         differentiable: ``False`` when the training runtime cannot propagate a gradient through
             it (an op without a gradient); no parameter whose gradient must flow through such an
             op can train (:meth:`Graph.gradient_blocked`). Default ``True`` (graphs written
@@ -104,7 +104,7 @@ class Op:
     flops: int = 0
     module: str = ""
     differentiable: bool = True
-    saved_fixed_bytes: int = 0
+    saved_traced_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.differentiable, bool):
@@ -112,7 +112,8 @@ class Op:
         object.__setattr__(self, "params", tuple(self.params))
         object.__setattr__(self, "inputs", tuple(self.inputs))
         _check_nonneg(f"op {self.name!r}", output_bytes=self.output_bytes, saved_bytes=self.saved_bytes,
-                      workspace_bytes=self.workspace_bytes, flops=self.flops, saved_fixed_bytes=self.saved_fixed_bytes)
+                      workspace_bytes=self.workspace_bytes, flops=self.flops,
+                      saved_traced_bytes=self.saved_traced_bytes)
 
 
 @dataclass(frozen=True)
@@ -130,8 +131,10 @@ class Graph:
             saved tensors, its backward's transients, the gradient it hands to the output).
         outside_saved_bytes: per window, what the model's own code outside every op (between the
             server's blocks) saves for the backward; 0 when not measured.
-        outside_fixed_bytes: what that code keeps once per pass whatever its windows (a table
-            built in the forward), beside ``outside_saved_bytes`` per window.
+        traced_windows: the windows of the batch the graph was traced on (0: none), for which
+            ``Op.saved_traced_bytes`` and ``outside_traced_bytes`` are exact.
+        outside_traced_bytes: what the model's own code keeps for exactly ``traced_windows``
+            windows.
     """
 
     ops: tuple[Op, ...]
@@ -141,7 +144,8 @@ class Graph:
     loss_saved_bytes: int = 0
     loss_peak_bytes: int = 0
     outside_saved_bytes: int = 0
-    outside_fixed_bytes: int = 0
+    traced_windows: int = 0
+    outside_traced_bytes: int = 0
     _op_index: dict[str, int] = field(init=False, repr=False, compare=False)
     _param_index: dict[str, Param] = field(init=False, repr=False, compare=False)
     _owner: dict[str, int] = field(init=False, repr=False, compare=False)
@@ -151,7 +155,7 @@ class Graph:
         object.__setattr__(self, "params", tuple(self.params))
         _check_nonneg(f"graph {self.name!r}", input_bytes=self.input_bytes, loss_saved_bytes=self.loss_saved_bytes,
                       loss_peak_bytes=self.loss_peak_bytes, outside_saved_bytes=self.outside_saved_bytes,
-                      outside_fixed_bytes=self.outside_fixed_bytes)
+                      traced_windows=self.traced_windows, outside_traced_bytes=self.outside_traced_bytes)
         if not self.ops:
             raise ValueError(f"graph {self.name!r} has no ops")
         op_index: dict[str, int] = {}
@@ -226,13 +230,14 @@ class Graph:
                      "workspace_bytes": o.workspace_bytes, "flops": o.flops, "module": o.module,
                      # only when False / nonzero: graphs without them serialise as before the fields existed
                      **({} if o.differentiable else {"differentiable": False}),
-                     **({"saved_fixed_bytes": o.saved_fixed_bytes} if o.saved_fixed_bytes else {})}
+                     **({"saved_traced_bytes": o.saved_traced_bytes} if o.saved_traced_bytes else {})}
                     for o in self.ops],
             # only when measured: graphs without a loss serialise as before the fields existed
             **({"loss_saved_bytes": self.loss_saved_bytes, "loss_peak_bytes": self.loss_peak_bytes}
                if self.loss_peak_bytes else {}),
             **({"outside_saved_bytes": self.outside_saved_bytes} if self.outside_saved_bytes else {}),
-            **({"outside_fixed_bytes": self.outside_fixed_bytes} if self.outside_fixed_bytes else {}),
+            **({"traced_windows": self.traced_windows, "outside_traced_bytes": self.outside_traced_bytes}
+               if self.traced_windows else {}),
         }
 
     @classmethod
@@ -242,4 +247,4 @@ class Graph:
                    input_bytes=d["input_bytes"], name=d.get("name", "model"),
                    loss_saved_bytes=d.get("loss_saved_bytes", 0), loss_peak_bytes=d.get("loss_peak_bytes", 0),
                    outside_saved_bytes=d.get("outside_saved_bytes", 0),
-                   outside_fixed_bytes=d.get("outside_fixed_bytes", 0))
+                   traced_windows=d.get("traced_windows", 0), outside_traced_bytes=d.get("outside_traced_bytes", 0))

@@ -79,11 +79,12 @@ step's input batch is held throughout):
   cross-entropy, three tensors of the logits' size); its saved tensors
   (``Graph.loss_saved_bytes``) stay charged through every block's backward;
 * what the model's own code between blocks saves, and a final output it makes after the last
-  block (``Graph.outside_saved_bytes`` per window, ``Graph.outside_fixed_bytes`` once): held from
-  the forward's start to the backward's end.
+  block (``Graph.outside_saved_bytes``): held from the forward's start to the backward's end.
 
-A block's saved bytes for ``b`` windows are ``b x Op.saved_bytes + Op.saved_fixed_bytes`` (what
-does not grow with the windows, such as a kernel's workspace, counts once per micro-batch).
+A block's saved bytes for ``b`` windows are ``b x Op.saved_bytes``, an upper bound for any ``b``
+(the larger of the traced batch's share and its first window's alone, per window), or, for
+exactly the traced batch's ``Graph.traced_windows``, the trace's own ``Op.saved_traced_bytes``
+(and ``Graph.outside_traced_bytes``): what does not grow with the windows then counts once.
 
 Accumulated gradients (micro-batches > 1) live in the state's tier, beside the master weights
 (host memory or files on disk), never in the compute tier: what the compute tier holds of them
@@ -232,6 +233,7 @@ def block_costs(graph: Graph, batch_windows: int, *, optimizer: str = "adamw",
     vectors = 1 + OPTIMIZER_STATE_COPIES[optimizer] + int(accumulate)
     out: list[BlockCost] = []
     prev_out = graph.input_bytes
+    exact = graph.traced_windows == batch_windows  # the traced batch's own figures
     for op in graph.ops:
         w = sum(graph.param(p).param_bytes for p in op.params)
         per_vector = w if staging_chunk_bytes is None else min(w, staging_chunk_bytes)
@@ -241,8 +243,8 @@ def block_costs(graph: Graph, batch_windows: int, *, optimizer: str = "adamw",
         if op.kind == RESIDENT_KIND:
             out.append(BlockCost(op.name, held, w, st, 0, 0, 0, resident=True))
             continue
-        out.append(BlockCost(op.name, held, w, st, op.saved_bytes * batch_windows + op.saved_fixed_bytes,
-                             op.output_bytes * batch_windows, prev_out * batch_windows))
+        saved = op.saved_traced_bytes if exact else op.saved_bytes * batch_windows
+        out.append(BlockCost(op.name, held, w, st, saved, op.output_bytes * batch_windows, prev_out * batch_windows))
         prev_out = op.output_bytes
     return out
 
@@ -421,7 +423,8 @@ def plan_offload(graph: Graph, budget_bytes: int, *, batch_windows: int = 1, tie
         # what the model's own code between blocks saves is held, like the loss's saved tensors,
         # until the backward ends; counted from the forward's start (an upper bound)
         return {"loss_saved_bytes": graph.loss_saved_bytes * mb, "loss_peak_bytes": graph.loss_peak_bytes * mb,
-                "outside_saved_bytes": graph.outside_saved_bytes * mb + graph.outside_fixed_bytes}
+                "outside_saved_bytes": graph.outside_traced_bytes if graph.traced_windows == mb
+                else graph.outside_saved_bytes * mb}
 
     def fit(mb: int, depth: int, chunk: int, overlap: UpdateOverlap) -> _Setting | None:
         """The plan of these knobs with the least recompute that fits, or None."""

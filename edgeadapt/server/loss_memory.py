@@ -20,8 +20,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["LiveBytes", "LossMemory", "TargetKind", "affine_bytes", "first_window", "loss_memory",
-           "loss_memory_per_window", "meta_targets", "per_window_bytes"]
+__all__ = ["LiveBytes", "LossMemory", "TargetKind", "first_window", "loss_memory", "loss_memory_per_window",
+           "meta_targets", "per_window_bytes"]
 
 
 class LiveBytes(TorchDispatchMode):
@@ -159,18 +159,6 @@ def first_window(value, batch: int):
         return t[:1] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else t
 
     return tree_map(cut, value)
-
-
-def affine_bytes(batch_bytes: int, window_bytes: int | None, batch: int) -> tuple[int, int]:
-    """``(per window, fixed)`` bytes from a batch's ``batch_bytes`` and its first window's alone
-    (``window_bytes``; ``None``: not measured): the line through both points, so that ``fixed +
-    m x per window`` is exact for any ``m`` windows where the bytes are affine in the windows, and
-    above both points otherwise (a fixed part below 0 is dropped; bytes that fall as the batch
-    grows count per window as :func:`per_window_bytes` does)."""
-    if window_bytes is None or batch <= 1 or batch_bytes < window_bytes:
-        return per_window_bytes(batch_bytes, window_bytes, batch), 0
-    per = -(-(batch_bytes - window_bytes) // (batch - 1))
-    return per, max(0, window_bytes - per)
 
 
 def per_window_bytes(batch_bytes: int, window_bytes: int | None, batch: int) -> int:

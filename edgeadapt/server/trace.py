@@ -29,9 +29,10 @@ measured). An op without a fake kernel may run its real kernel on empty data. Pe
 records (per window, i.e. per sample of the batch):
 
 * ``output_bytes``: the block's output tensors;
-* ``saved_bytes`` / ``saved_fixed_bytes``: what its backward keeps per window and once per pass,
-  parameters and the block's own inputs excluded (inputs are the previous block's output and
-  are counted there, or, made by the model's own code, with what that code keeps);
+* ``saved_bytes``: what its backward keeps per window, parameters and the block's own inputs
+  excluded (inputs are the previous block's output and are counted there, or, made by the
+  model's own code, with what that code keeps); ``saved_traced_bytes``: the same for the whole
+  traced batch (``Graph.traced_windows``), where what does not grow with the windows counts once;
 * ``workspace_bytes``: ``output_bytes`` again (the block's output while it is produced);
 * ``flops``: ``2 * parameter elements * positions`` where positions is the output's element
   count over its channel axis, a rough figure the planner only uses for reports.
@@ -46,12 +47,12 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_map
 
 from ..sched.ir import DTYPE_BYTES, Graph, Op, Param
 from ..sched.offload import RESIDENT_KIND
-from .loss_memory import TargetKind, affine_bytes, first_window, loss_memory_per_window, per_window_bytes
+from .loss_memory import TargetKind, first_window, loss_memory_per_window, per_window_bytes
 
 __all__ = ["Block", "find_blocks", "trace_graph", "BlockError", "ROOT_BLOCK", "nested_tensors", "FAKE_TRACE_DEVICES"]
 
@@ -213,6 +214,7 @@ class _RecurrentCall:
     input_shape: tuple[int, ...]
     traced_bytes: int
     input_order: tuple[int, ...] = ()  # the input's dimensions from the outermost in memory (a transposed view)
+    windows: int = 1  # the traced pass's windows (the layer may fold more sequences per window into its batch)
 
 
 def _run_blocks(model: nn.Module, blocks: list[Block], state: dict[str, torch.Tensor], param_keys: set[int],
@@ -273,13 +275,15 @@ def _run_blocks(model: nn.Module, blocks: list[Block], state: dict[str, torch.Te
         return t
 
     recurrent: list[_RecurrentCall] = []
+    first = nested_tensors(traced_inputs)
+    windows = int(first[0].shape[0]) if first and first[0].dim() else 1
 
     def rnn_pre(mod, args):
         if active and args and isinstance(args[0], torch.Tensor):
             i = active[-1]
             x = args[0]
             order = tuple(sorted(range(x.dim()), key=lambda d: -x.stride(d)))
-            recurrent.append(_RecurrentCall(i, mod, tuple(x.shape), -sum(saved[i].values()), order))
+            recurrent.append(_RecurrentCall(i, mod, tuple(x.shape), -sum(saved[i].values()), order, windows))
 
     def rnn_post(mod, args, out):
         if recurrent and recurrent[-1].module is mod and recurrent[-1].traced_bytes <= 0:
@@ -317,15 +321,17 @@ def _run_blocks(model: nn.Module, blocks: list[Block], state: dict[str, torch.Te
 
 
 def _recurrent_window_bytes(module: nn.RNNBase, input_shape: tuple[int, ...],
-                            input_order: tuple[int, ...] = ()) -> int | None:
+                            input_order: tuple[int, ...] = (), windows: int = 1) -> int | None:
     """Bytes per window that a real CPU forward of a layer configured like ``module`` keeps for its
     backward on an input of ``input_shape`` laid out in memory as ``input_order`` (its dimensions
     from the outermost; a kernel copies a transposed input and keeps the copy), parameters and
     input excluded: the larger of a run on one window and half a run on two, with fresh weights and
     zeros. A CPU LSTM's workspace does not grow evenly with the windows (for 2 x 16 units over 10
     steps: 59, 70, 113, 123, 133, 177 KB for 1 to 6 windows) but has a large part that does not
-    grow at all, so the one-window run's bytes per window bound every size met. ``None`` where
-    the layer cannot be rebuilt (a packed sequence, an unknown subclass's constructor)."""
+    grow at all, so the one-window run's bytes per window bound every size met. The input's
+    batch axis holds ``input_shape[axis] / windows`` sequences per window of the traced pass of
+    ``windows`` windows (a block may fold another axis into it). ``None`` where the layer cannot
+    be rebuilt (a packed sequence, an unknown subclass's constructor)."""
     kinds = [k for k in (nn.LSTM, nn.GRU, nn.RNN) if isinstance(module, k)]
     if not kinds or len(input_shape) not in (2, 3):
         return None
@@ -337,11 +343,12 @@ def _recurrent_window_bytes(module: nn.RNNBase, input_shape: tuple[int, ...],
     if kinds[0] is nn.RNN:
         kw["nonlinearity"] = module.nonlinearity
     axis = (0 if module.batch_first else 1) if len(input_shape) == 3 else None
+    per_window = -(-input_shape[axis] // max(1, windows)) if axis is not None else 1
 
-    def measured(windows: int) -> int:
+    def measured(n_windows: int) -> int:
         shape = list(input_shape)
         if axis is not None:
-            shape[axis] = windows
+            shape[axis] = n_windows * per_window
         layer = kinds[0](**kw).train(module.training)
         order = input_order if sorted(input_order) == list(range(len(shape))) else tuple(range(len(shape)))
         x = torch.zeros([shape[d] for d in order]).permute(*(order.index(d) for d in range(len(shape))))
@@ -372,7 +379,7 @@ def _take_out_recurrent(run: _BlockRun) -> dict[int, int]:
     meta kernels report empty) to be counted per window beside the rest."""
     per_window: dict[int, int] = {}
     for call in run.recurrent:
-        real = _recurrent_window_bytes(call.module, call.input_shape, call.input_order)
+        real = _recurrent_window_bytes(call.module, call.input_shape, call.input_order, call.windows)
         if real is not None:
             run.saved_bytes[call.block] -= call.traced_bytes
             per_window[call.block] = per_window.get(call.block, 0) + real
@@ -384,22 +391,34 @@ def _attributes(model: nn.Module) -> dict[tuple[int, str], tuple[nn.Module, obje
     return {(id(m), k): (m, v) for m in model.modules() for k, v in vars(m).items()}
 
 
+def _traced(value) -> bool:
+    """``value`` is, or (a dict, list or tuple) holds, a meta or fake tensor."""
+    return any(t.device.type == "meta" or isinstance(t, FakeTensor) for t in nested_tensors(value))
+
+
 @contextlib.contextmanager
 def _restoring(model: nn.Module):
-    """Put back the modules' plain tensor attributes after a traced forward: a table a forward
-    caches on its module (positions, masks) must not stay a meta or fake tensor, and an attribute
-    the forward set from nothing (``None``, or absent) returns to that."""
+    """Put back what a traced forward cached on the modules: a plain attribute now a tensor (a
+    table of positions, a mask) returns to what it was (``None``, or absent), and a dict or list
+    attribute that now holds a meta or fake tensor gets its former items back."""
     before = _attributes(model)
+    items = {key: (dict(v) if isinstance(v, dict) else list(v)) for key, (_, v) in before.items()
+             if isinstance(v, (dict, list)) and not _traced(v)}
     try:
         yield
     finally:
         for key, (m, v) in _attributes(model).items():
-            if not isinstance(v, torch.Tensor):
-                continue
-            if key not in before:
-                del m.__dict__[key[1]]
-            elif before[key][1] is not v:
-                m.__dict__[key[1]] = before[key][1]
+            if isinstance(v, torch.Tensor):
+                if key not in before:
+                    del m.__dict__[key[1]]
+                elif before[key][1] is not v:
+                    m.__dict__[key[1]] = before[key][1]
+            elif key in items and _traced(v):
+                if isinstance(v, dict):
+                    v.clear()
+                    v.update(items[key])
+                else:
+                    v[:] = items[key]
 
 
 def _trace_runs(model: nn.Module, blocks: list[Block], inputs: tuple, param_shapes: dict[str, tuple[int, ...]],
@@ -443,11 +462,12 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
     Args:
         model: the model (left untouched: no buffers change, no random numbers are drawn).
         example_input: one batch (or a tuple of positional inputs); byte counts are divided by
-            its first dimension to give per-window figures. Saved bytes (a block's, and those of
-            the model's own code) come from the batch and its first window traced alone as a
-            fixed part and a part per window (what does not grow with the batch, such as a
-            kernel's workspace or positions built inside the model, counts once per pass); the
-            outputs and the loss are the larger of the batch's share and the first window's.
+            its first dimension to give per-window figures, each raised to the first window's
+            alone when that is larger (what does not grow with the batch, such as positions
+            built inside the model, counts once per window: an upper bound for any micro-batch
+            whose bytes grow no faster than the windows); the saved bytes of the whole batch are
+            also kept as they are (``Op.saved_traced_bytes``, ``Graph.outside_traced_bytes``)
+            for a plan of exactly this batch.
         blocks: the blocks, as :func:`find_blocks` returns them (computed if omitted).
         param_shapes: parameter shapes to trace with, when the module's own parameters no longer
             hold them (a model whose weights the trainer has moved out); float32 assumed.
@@ -512,11 +532,10 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
         b = blocks[i]
         add_params(b)
         numel = sum(named[pn].numel() for pn in b.param_names)
-        saved_per_window, saved_fixed = affine_bytes(whole.saved_bytes[i],
-                                                     None if one is None else one.saved_bytes[i], batch)
-        saved = (saved_per_window + recurrent.get(i, 0), saved_fixed)
+        rec = recurrent.get(i, 0)  # the recurrent layers' bytes per window, measured apart
+        saved = (per_window("saved_bytes", i) + rec, whole.saved_bytes[i] + rec * batch)
         ops.append(Op(b.name, "block", params=b.param_names, inputs=() if prev is None else (prev,),
-                      output_bytes=per_window("out_bytes", i), saved_bytes=saved[0], saved_fixed_bytes=saved[1],
+                      output_bytes=per_window("out_bytes", i), saved_bytes=saved[0], saved_traced_bytes=saved[1],
                       workspace_bytes=per_window("out_bytes", i),
                       flops=2 * numel * max(1, per(whole.out_numel_per_ch[i])), module=b.name))
         prev = b.name
@@ -529,7 +548,7 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
     # the step holds its input batch and, when the loss was measured, its targets throughout
     batch_bytes = sum(_nbytes(t) for t in inputs if isinstance(t, torch.Tensor))
     input_bytes = per(batch_bytes) + (loss.target_bytes if loss else 0)
-    outside = affine_bytes(whole.outside_saved_bytes, one.outside_saved_bytes if one is not None else None, batch)
+    outside = per_window_bytes(whole.outside_saved_bytes, one.outside_saved_bytes if one is not None else None, batch)
     return Graph(tuple(ops), tuple(params), input_bytes=input_bytes, name=type(model).__name__,
                  loss_saved_bytes=loss.saved_bytes if loss else 0, loss_peak_bytes=loss.peak_bytes if loss else 0,
-                 outside_saved_bytes=outside[0], outside_fixed_bytes=outside[1])
+                 outside_saved_bytes=outside, traced_windows=batch, outside_traced_bytes=whole.outside_saved_bytes)
