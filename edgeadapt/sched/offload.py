@@ -82,7 +82,8 @@ step's input batch is held throughout):
   block (``Graph.outside_saved_bytes``): held from the forward's start to the backward's end.
 
 A block's saved bytes for ``b`` windows are ``b x Op.saved_bytes``, an upper bound for any ``b``
-(the larger of the traced batch's share and its first window's alone, per window), or, for
+whose bytes grow no faster than its windows (per window, the larger of the traced batch's share
+and its first window's alone), or, for
 exactly the traced batch's ``Graph.traced_windows``, the trace's own ``Op.saved_traced_bytes``
 (and ``Graph.outside_traced_bytes``): what does not grow with the windows then counts once.
 

@@ -13,8 +13,9 @@ model's forward, keeps it for the whole step and updates it after the backward, 
 read anywhere in the model's own ``forward`` and passed into blocks as an argument. It comes
 first in :func:`find_blocks`' list and in the graph, as an op of kind ``"resident"``.
 
-Activation bytes come from a shape trace (no random numbers drawn, no statistics updated, the
-modules' cached tensors put back): forward hooks mark which block runs, and
+Activation bytes come from a shape trace on a copy of the module tree that shares the model's
+parameters and buffers (no random numbers drawn, no statistics updated, nothing a forward caches
+left on the model): forward hooks mark which block runs, and
 ``saved_tensors_hooks`` sees every tensor autograd keeps for backward. What an op saves depends
 on the kernel the compute device picks (on the CPU, ``scaled_dot_product_attention`` runs a
 fused kernel that keeps the output and its log-sum-exp; the ``meta`` device runs the unfused
@@ -41,7 +42,10 @@ records (per window, i.e. per sample of the batch):
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -324,8 +328,8 @@ def _recurrent_window_bytes(module: nn.RNNBase, input_shape: tuple[int, ...],
                             input_order: tuple[int, ...] = (), windows: int = 1) -> int | None:
     """Bytes per window that a real CPU forward of a layer configured like ``module`` keeps for its
     backward on an input of ``input_shape`` laid out in memory as ``input_order`` (its dimensions
-    from the outermost; a kernel copies a transposed input and keeps the copy), parameters and
-    input excluded: the larger of a run on one window and half a run on two, with fresh weights and
+    from the outermost; a kernel copies a transposed input and keeps the copy), its input included
+    when kept, its parameters excluded: the larger of a run on one window and half a run on two, with fresh weights and
     zeros. A CPU LSTM's workspace does not grow evenly with the windows (for 2 x 16 units over 10
     steps: 59, 70, 113, 123, 133, 177 KB for 1 to 6 windows) but has a large part that does not
     grow at all, so the one-window run's bytes per window bound every size met. The input's
@@ -343,7 +347,7 @@ def _recurrent_window_bytes(module: nn.RNNBase, input_shape: tuple[int, ...],
     if kinds[0] is nn.RNN:
         kw["nonlinearity"] = module.nonlinearity
     axis = (0 if module.batch_first else 1) if len(input_shape) == 3 else None
-    per_window = -(-input_shape[axis] // max(1, windows)) if axis is not None else 1
+    per_window = max(1, input_shape[axis] // max(1, windows)) if axis is not None else 1
 
     def measured(n_windows: int) -> int:
         shape = list(input_shape)
@@ -353,7 +357,9 @@ def _recurrent_window_bytes(module: nn.RNNBase, input_shape: tuple[int, ...],
         order = input_order if sorted(input_order) == list(range(len(shape))) else tuple(range(len(shape)))
         x = torch.zeros([shape[d] for d in order]).permute(*(order.index(d) for d in range(len(shape))))
         x.requires_grad_()
-        skip = {t.untyped_storage().data_ptr() for t in (x, *layer.parameters())}
+        # its input counts when the layer keeps it: the trace's bytes for the call, taken out, may
+        # hold the tensor the input is a piece of
+        skip = {t.untyped_storage().data_ptr() for t in layer.parameters()}
         storages: dict[int, int] = {}
 
         def pack(t):
@@ -375,14 +381,20 @@ def _recurrent_window_bytes(module: nn.RNNBase, input_shape: tuple[int, ...],
 
 def _take_out_recurrent(run: _BlockRun) -> dict[int, int]:
     """Take the recurrent layers' traced bytes out of their blocks' saved bytes and return, per
-    block, what their real CPU kernels keep per window (a CPU LSTM keeps a workspace its fake and
-    meta kernels report empty) to be counted per window beside the rest."""
+    block, what their real CPU kernels keep per window of the pass (a CPU LSTM keeps a workspace
+    its fake and meta kernels report empty): each call's sequences, measured per window's worth
+    of them, over the pass's windows (a layer called once per window in a loop, or on a batch
+    with sequences of its own beside the windows', counts what it holds)."""
     per_window: dict[int, int] = {}
     for call in run.recurrent:
         real = _recurrent_window_bytes(call.module, call.input_shape, call.input_order, call.windows)
-        if real is not None:
-            run.saved_bytes[call.block] -= call.traced_bytes
-            per_window[call.block] = per_window.get(call.block, 0) + real
+        if real is None:
+            continue
+        run.saved_bytes[call.block] -= call.traced_bytes
+        axis = (0 if call.module.batch_first else 1) if len(call.input_shape) == 3 else None
+        sequences = call.input_shape[axis] if axis is not None else 1
+        share = sequences / (max(1, sequences // call.windows) * call.windows)  # measured groups per window
+        per_window[call.block] = per_window.get(call.block, 0) + math.ceil(real * share)
     return per_window
 
 
@@ -421,6 +433,24 @@ def _restoring(model: nn.Module):
                     v[:] = items[key]
 
 
+def _twin(model: nn.Module, blocks: list[Block]) -> tuple[nn.Module, list[Block]] | None:
+    """A copy of ``model``'s module tree that shares its parameters and buffers (nothing of theirs
+    is copied), and the blocks on it: what a traced forward caches or counts on its modules (in
+    attributes, containers, helper objects) stays on the copy. ``None`` where the model cannot be
+    copied (an attribute that refuses ``copy.deepcopy``)."""
+    memo: dict[int, object] = {}
+    for m in model.modules():
+        for t in (*m._parameters.values(), *m._buffers.values()):
+            if t is not None:
+                memo[id(t)] = t
+    try:
+        twin = copy.deepcopy(model, memo)
+        return twin, [dataclasses.replace(b, module=twin if b.module is model else twin.get_submodule(b.name))
+                      for b in blocks]
+    except Exception:  # noqa: BLE001 - traced in place, its plain caches put back (_restoring)
+        return None
+
+
 def _trace_runs(model: nn.Module, blocks: list[Block], inputs: tuple, param_shapes: dict[str, tuple[int, ...]],
                 batch: int, kind: str) -> tuple[_BlockRun, _BlockRun | None, dict[str, torch.Tensor], dict[int, int]]:
     """The forward of the whole batch and of its first window alone (``None`` when that cannot run
@@ -428,7 +458,10 @@ def _trace_runs(model: nn.Module, blocks: list[Block], inputs: tuple, param_shap
     (their saved bytes without the recurrent layers'), the traced parameters by name, and per block
     what its recurrent layers keep per window (measured on the CPU)."""
     space = contextlib.nullcontext() if kind == "meta" else FakeTensorMode(allow_non_fake_inputs=True)
-    with _restoring(model), space:
+    twin = _twin(model, blocks)
+    if twin is not None:
+        model, blocks = twin
+    with contextlib.nullcontext() if twin is not None else _restoring(model), space:
         traced = tuple(torch.empty(t.shape, dtype=t.dtype, device=kind) if isinstance(t, torch.Tensor) else t
                        for t in inputs)
         state = {n: torch.empty(shape, device=kind, requires_grad=True) for n, shape in param_shapes.items()}
@@ -444,8 +477,9 @@ def _trace_runs(model: nn.Module, blocks: list[Block], inputs: tuple, param_shap
             if one is not None and one.order != whole.order:
                 one = None
     recurrent = _take_out_recurrent(whole)
-    if one is not None and _take_out_recurrent(one) != recurrent:
-        one = None  # the layers ran differently on one window: the batch's share alone
+    if one is not None:  # per window, the larger of the batch's and the first window's alone
+        for i, b in _take_out_recurrent(one).items():
+            recurrent[i] = max(recurrent.get(i, 0), b)
     # the loss is measured on meta from the output's shapes: no fake tensor leaves this function
     whole.output = tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta")
                             if isinstance(t, torch.Tensor) else t, whole.output)
