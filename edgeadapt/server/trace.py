@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -324,20 +325,16 @@ def _run_blocks(model: nn.Module, blocks: list[Block], state: dict[str, torch.Te
                      sum(v for k, v in outside.items() if k not in block_outs), recurrent)
 
 
-def _recurrent_window_bytes(module: nn.RNNBase, input_shape: tuple[int, ...],
-                            input_order: tuple[int, ...] = (), windows: int = 1) -> int | None:
-    """Bytes per window that a real CPU forward of a layer configured like ``module`` keeps for its
-    backward on an input of ``input_shape`` laid out in memory as ``input_order`` (its dimensions
-    from the outermost; a kernel copies a transposed input and keeps the copy), its input included
-    when kept, its parameters excluded: the larger of a run on one window and half a run on two, with fresh weights and
-    zeros. A CPU LSTM's workspace does not grow evenly with the windows (for 2 x 16 units over 10
-    steps: 59, 70, 113, 123, 133, 177 KB for 1 to 6 windows) but has a large part that does not
-    grow at all, so the one-window run's bytes per window bound every size met. The input's
-    batch axis holds ``input_shape[axis] / windows`` sequences per window of the traced pass of
-    ``windows`` windows (a block may fold another axis into it). ``None`` where the layer cannot
-    be rebuilt (a packed sequence, an unknown subclass's constructor)."""
+def _batch_axis(module: nn.RNNBase, input_shape: tuple[int, ...]) -> int | None:
+    """The axis of a recurrent layer's input that holds its sequences (``None``: one, unbatched)."""
+    return (0 if module.batch_first else 1) if len(input_shape) == 3 else None
+
+
+def _recurrent_config(module: nn.RNNBase) -> tuple[type[nn.RNNBase], tuple[tuple[str, object], ...], bool] | None:
+    """What rebuilds a layer like ``module`` with fresh weights (its class, constructor arguments,
+    training mode), or ``None`` for a layer that is none of LSTM, GRU, RNN."""
     kinds = [k for k in (nn.LSTM, nn.GRU, nn.RNN) if isinstance(module, k)]
-    if not kinds or len(input_shape) not in (2, 3):
+    if not kinds:
         return None
     kw = dict(input_size=module.input_size, hidden_size=module.hidden_size, num_layers=module.num_layers,
               bias=module.bias, batch_first=module.batch_first, dropout=module.dropout,
@@ -346,32 +343,60 @@ def _recurrent_window_bytes(module: nn.RNNBase, input_shape: tuple[int, ...],
         kw["proj_size"] = module.proj_size
     if kinds[0] is nn.RNN:
         kw["nonlinearity"] = module.nonlinearity
-    axis = (0 if module.batch_first else 1) if len(input_shape) == 3 else None
+    return kinds[0], tuple(kw.items()), module.training
+
+
+@functools.lru_cache(maxsize=256)
+def _recurrent_saved_bytes(config: tuple[type[nn.RNNBase], tuple[tuple[str, object], ...], bool],
+                           shape: tuple[int, ...], order: tuple[int, ...]) -> int:
+    """What a real CPU forward of a fresh layer of ``config`` (:func:`_recurrent_config`) keeps for
+    its backward on zeros of ``shape`` laid out in memory as ``order`` (its dimensions from the
+    outermost; a kernel copies a transposed input and keeps the copy), its input included when
+    kept (the trace's bytes for the call, taken out, may hold the tensor the input is a piece of),
+    its parameters excluded. Cached: the same layer met again (a loop, the first window's trace,
+    the trainer's second trace) is not run again."""
+    kind, kw, training = config
+    layer = kind(**dict(kw)).train(training)
+    x = torch.zeros([shape[d] for d in order]).permute(*(order.index(d) for d in range(len(shape))))
+    x.requires_grad_()
+    skip = {t.untyped_storage().data_ptr() for t in layer.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.random.fork_rng(devices=[]), torch.enable_grad(), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer(x)
+    del out
+    return sum(storages.values())
+
+
+def _recurrent_window_bytes(module: nn.RNNBase, input_shape: tuple[int, ...],
+                            input_order: tuple[int, ...] = (), windows: int = 1) -> int | None:
+    """Bytes per window that a real CPU forward of a layer configured like ``module`` keeps for its
+    backward on an input of ``input_shape`` laid out in memory as ``input_order``
+    (:func:`_recurrent_saved_bytes`): the larger of a run on one window and half a run on two,
+    with fresh weights and zeros. A CPU LSTM's workspace does not grow evenly with the windows (for
+    2 x 16 units over 10 steps: 59, 70, 113, 123, 133, 177 KB for 1 to 6 windows) but has a large
+    part that does not grow at all, so the one-window run's bytes per window bound every size met.
+    The input's batch axis holds ``input_shape[axis] / windows`` sequences per window of the traced
+    pass of ``windows`` windows (a block may fold another axis into it). ``None`` where the layer
+    cannot be rebuilt (a packed sequence, an unknown subclass's constructor)."""
+    config = _recurrent_config(module)
+    if config is None or len(input_shape) not in (2, 3):
+        return None
+    axis = _batch_axis(module, input_shape)
     per_window = max(1, input_shape[axis] // max(1, windows)) if axis is not None else 1
+    order = input_order if sorted(input_order) == list(range(len(input_shape))) else tuple(range(len(input_shape)))
 
     def measured(n_windows: int) -> int:
         shape = list(input_shape)
         if axis is not None:
             shape[axis] = n_windows * per_window
-        layer = kinds[0](**kw).train(module.training)
-        order = input_order if sorted(input_order) == list(range(len(shape))) else tuple(range(len(shape)))
-        x = torch.zeros([shape[d] for d in order]).permute(*(order.index(d) for d in range(len(shape))))
-        x.requires_grad_()
-        # its input counts when the layer keeps it: the trace's bytes for the call, taken out, may
-        # hold the tensor the input is a piece of
-        skip = {t.untyped_storage().data_ptr() for t in layer.parameters()}
-        storages: dict[int, int] = {}
-
-        def pack(t):
-            if t.untyped_storage().data_ptr() not in skip:
-                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.random.fork_rng(devices=[]), torch.enable_grad(), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = layer(x)
-        del out
-        return sum(storages.values())
+        return _recurrent_saved_bytes(config, tuple(shape), order)
 
     try:
         return max(measured(1), -(-measured(2) // 2)) if axis is not None else measured(1)
@@ -391,7 +416,7 @@ def _take_out_recurrent(run: _BlockRun) -> dict[int, int]:
         if real is None:
             continue
         run.saved_bytes[call.block] -= call.traced_bytes
-        axis = (0 if call.module.batch_first else 1) if len(call.input_shape) == 3 else None
+        axis = _batch_axis(call.module, call.input_shape)
         sequences = call.input_shape[axis] if axis is not None else 1
         share = sequences / (max(1, sequences // call.windows) * call.windows)  # measured groups per window
         per_window[call.block] = per_window.get(call.block, 0) + math.ceil(real * share)
