@@ -77,6 +77,17 @@ TINY_PLANS = (
     ("last-layer", 30, True, "tiny"), ("last-layer", 4, True, "tiny"), ("last-layer", 30, False, "tiny"),
     ("full", 30, False, "tiny"), ("full", 4, False, "tiny"),
 )
+# Plans for any other reference model (``--models mobilenet transformer``): the policies that name
+# no module of the CNN (last layer with and without cached features, biases + norm affines,
+# full fine-tuning, head uncached), so per-op and activation costs are fitted over several
+# architectures (depthwise/pointwise convolutions, attention) and not the CNN's dense
+# convolutions alone. (policy, micro, cache)
+GENERIC_PLANS = (
+    ("last-layer", 30, True), ("last-layer", 4, True), ("last-layer", 30, False),
+    ("bias-norm", 30, False), ("bias-norm", 4, False),
+    ("full", 30, False), ("full", 8, False), ("full", 2, False),
+    ("head=full", 1, False), ("head=full", 8, False),
+)
 # Checked (``--check``) in addition to PLANS, not fitted. The check of the fitted constants is
 # ``benchmarks/budget_sweep.py`` (the planner's own plans, other runs and settings).
 CHECK_PLANS: tuple = ()
@@ -196,6 +207,8 @@ def _raise_to_tolerance(rows, key, cost, tolerance):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="cnn")
+    p.add_argument("--models", nargs="*", default=[], metavar="MODEL",
+                   help="other reference models measured with GENERIC_PLANS and fitted together with --model's")
     p.add_argument("--channels", type=int, default=8)
     p.add_argument("--time-steps", type=int, default=256)
     p.add_argument("--classes", type=int, default=5)
@@ -232,6 +245,7 @@ def main(argv=None) -> int:
                 for r in json.loads(args.refit.read_text())]
     with tempfile.TemporaryDirectory(prefix="edgeadapt-calibrate-") as tmp:
         todo = [(*plan, args.model) for plan in PLANS + (CHECK_PLANS if args.check else ())]
+        todo += [(*plan, name) for name in args.models for plan in GENERIC_PLANS]
         todo += list(TINY_PLANS) if args.tiny else []
         for policy, micro, cache, model_name in () if args.refit else todo:
             micro = min(micro, args.batch)
@@ -294,7 +308,7 @@ def main(argv=None) -> int:
                          "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                          "command": " ".join(["benchmarks/calibrate_cost.py", *(argv or sys.argv[1:])]),
                          "figure": args.fit, "conservative": args.conservative, "tolerance": args.tolerance,
-                         "model": f"{args.model} {args.channels}x{args.time_steps}"
+                         "model": f"{' + '.join([args.model, *args.models])} {args.channels}x{args.time_steps}"
                                   + (" + tiny (TINY_PLANS)" if args.tiny else ""),
                          "batch_windows": args.batch, "n_windows": args.n_windows, "threads": args.threads,
                          "versions": package_versions(("edgeadapt", "numpy", "scipy", "torch", "onnx",

@@ -13,7 +13,9 @@ Per op:
 * ``workspace_bytes``: its internal per-window tensors (produced and consumed inside it);
 * ``saved_bytes``: what its backward re-reads -- Conv/Gemm/MatMul their inputs, Relu/Sigmoid/
   Tanh/Softmax their output, Mul/Div/Pow and other non-linear ops their inputs, Add/Sub/reshapes
-  nothing -- each tensor counted once, at the last op that re-reads it;
+  nothing -- each tensor counted once, at the last op that re-reads it; a GRU or LSTM also every
+  step's hidden state and gate activations, which its training form keeps for the backward
+  (:func:`recurrent_state_bytes`);
 * ``flops``: multiply-adds x 2 for Conv/Gemm/MatMul, one per output element otherwise.
 """
 
@@ -30,7 +32,7 @@ from ..bundle import ParameterEntry
 from ..sched.ir import Graph, Op, Param
 from .op_rewrites import lacks_gradient
 
-__all__ = ["graph_from_onnx", "module_path_of_node", "SAVES_OUTPUT", "SAVES_NOTHING"]
+__all__ = ["graph_from_onnx", "module_path_of_node", "recurrent_state_bytes", "SAVES_OUTPUT", "SAVES_NOTHING"]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,34 @@ def _numel(value_info, name: str) -> int:
     if vi is None:
         return 0
     return math.prod(d.dim_value for d in vi.type.tensor_type.shape.dim if d.HasField("dim_value"))
+
+
+# Per step and direction, in units of the hidden size: what a recurrent node's training form keeps
+# beyond its inputs for the backward. ONNX Runtime's GRUTraining: every hidden state (1) and the
+# update, reset and candidate gates (3); LSTMTraining: every hidden state (1), every cell state (1)
+# and the input, output, forget and cell gates (4).
+_RECURRENT_KEPT_PER_HIDDEN = {"GRU": 4, "LSTM": 6}
+
+
+def recurrent_state_bytes(node: onnx.NodeProto, value_info: dict[str, onnx.ValueInfoProto]) -> int:
+    """Per-window bytes a GRU or LSTM node keeps for its backward beyond its inputs (0 for any other
+    node): ``steps x directions x hidden_size x`` the kept tensors per hidden unit
+    (:data:`_RECURRENT_KEPT_PER_HIDDEN`), in the input's element size. ``steps`` is the input's
+    sequence axis (axis 0, or 1 with ``layout=1``)."""
+    per_hidden = _RECURRENT_KEPT_PER_HIDDEN.get(node.op_type)
+    if per_hidden is None:
+        return 0
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    hidden = int(attrs.get("hidden_size", 0))
+    direction = attrs.get("direction", b"forward")
+    directions = 2 if (direction.decode() if isinstance(direction, bytes) else direction) == "bidirectional" else 1
+    vi = value_info.get(node.input[0])
+    dims = [d.dim_value for d in vi.type.tensor_type.shape.dim] if vi is not None else []
+    axis = 1 if int(attrs.get("layout", 0)) == 1 else 0
+    if hidden <= 0 or len(dims) < 3 or dims[axis] <= 0:
+        raise ValueError(f"{node.op_type} node {node.name!r} has no static sequence length or hidden_size after "
+                         "shape inference; export with a fixed window length")
+    return dims[axis] * directions * hidden * per_hidden * _elem_bytes(vi.type.tensor_type.elem_type)
 
 
 def _with_batch_one(model: onnx.ModelProto, input_shape: Iterable[int]) -> onnx.ModelProto:
@@ -191,6 +221,7 @@ def graph_from_onnx(model_proto: onnx.ModelProto, entries: Iterable[ParameterEnt
 
     # Saved tensors per group, each attributed to the last group that re-reads it.
     saved_by: dict[str, int] = {}
+    state_bytes = [sum(recurrent_state_bytes(n, vi) for n in grp["nodes"]) for grp in groups]
     for gi, grp in enumerate(groups):
         for node in grp["nodes"]:
             if node.op_type in SAVES_NOTHING:
@@ -222,7 +253,7 @@ def graph_from_onnx(model_proto: onnx.ModelProto, entries: Iterable[ParameterEnt
         ops.append(Op(
             name=op_name, kind=main.op_type, params=tuple(params), inputs=tuple(op_names[s] for s in sorted(srcs)),
             output_bytes=sum(nbytes(t) for t in outside),
-            saved_bytes=sum(nbytes(t) for t, owner in saved_by.items() if owner == gi),
+            saved_bytes=sum(nbytes(t) for t, owner in saved_by.items() if owner == gi) + state_bytes[gi],
             workspace_bytes=sum(nbytes(t) for t in internal),
             flops=sum(_flops(n, vi, inits) for n in grp["nodes"]),
             module=base,

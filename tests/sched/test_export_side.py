@@ -141,3 +141,30 @@ def test_policy_resolves_the_same_on_the_graph_and_on_the_module():
         if pp.mode is Mode.CHANNELS:
             assert prepared.trained_channels[pp.name] == pp.channels
     assert entries["blocks.3.bn.bias"].mode == "bias" and plan.param("blocks.3.bn.bias").mode is Mode.FULL
+
+
+@pytest.mark.parametrize("cell, bidirectional, kept_per_hidden", [(nn.GRU, False, 4), (nn.LSTM, True, 6)])
+def test_a_recurrent_layer_keeps_every_step_state_and_gate(cell, bidirectional, kept_per_hidden):
+    """A GRU's training form keeps, per step and direction, its hidden state and three gates; an
+    LSTM's its hidden and cell states and four gates: the op's saved bytes are its input plus
+    those, per window."""
+    steps, features, hidden = 20, 4, 8
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = cell(features, hidden, batch_first=True, bidirectional=bidirectional)
+            self.head = nn.Linear(hidden * (2 if bidirectional else 1), 3)
+
+        def forward(self, x):
+            y, _ = self.rnn(x.transpose(1, 2))
+            return self.head(y[:, -1])
+
+    torch.manual_seed(0)
+    prepared = prepare_model(Net().eval(), UpdatePolicy.full())
+    x = torch.randn(2, features, steps)
+    proto, entries = to_onnx(prepared.module, x, prepared.entries)
+    g = graph_from_onnx(proto, entries, x.shape)
+    op = next(o for o in g.ops if o.module == "rnn")
+    directions = 2 if bidirectional else 1
+    assert op.saved_bytes == 4 * (steps * features + steps * directions * hidden * kept_per_hidden)
