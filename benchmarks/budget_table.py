@@ -44,24 +44,27 @@ def to_markdown(rows: list[dict], command: str, settings: CheckSettings) -> str:
     out = [f"Command: `{command}` ({settings.n_windows} windows, batch {settings.batch_windows}, {settings.epochs} "
            f"epochs, backend {settings.backend}, BatchNorm {settings.batchnorm}, 1 thread). KiB over the process "
            "just before the call.", "",
-           "| model | budget | trains (elements) | micro | predicted | measured anon | measured total | pred/anon "
-           "| user process anon / total |" + (" label-free anon / user anon |" if free else ""),
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if free else "")]
+           "*expected*: the cost model's point estimate of the whole call; *bound*: the prediction the "
+           "plan was made and checked with (the budget holds if the measured peak stays under it).", "",
+           "| model | budget | trains (elements) | micro | expected | bound | measured anon | measured total "
+           "| expected/anon | bound/anon | user process anon / total |" + (" label-free anon / user anon |" if free else ""),
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if free else "")]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['model']} | {r['budget_bytes'] / kib:.0f} | failed: {r['error'][:120]} | | | | | | |"
+            out.append(f"| {r['model']} | {r['budget_bytes'] / kib:.0f} | failed: {r['error'][:120]} | | | | | | | | |"
                        + (" |" if free else ""))
             continue
         over = r["call_peak_anon_bytes"] > r["budget_bytes"]
         anon = f"{r['call_peak_anon_bytes'] / kib:.0f}"
         out.append(f"| {r['model']} | {r['budget_bytes'] / kib:.0f} | {r['trainable_numel']:,} | "
-                   f"{r['micro_batch_windows']} | {r['predicted_bytes'] / kib:.0f} | "
+                   f"{r['micro_batch_windows']} | {r['expected_bytes'] / kib:.0f} | {r['predicted_bytes'] / kib:.0f} | "
                    f"{'**' + anon + '** (over)' if over else anon} | {r['call_peak_bytes'] / kib:.0f} | "
-                   f"{r['predicted_over_anon']:.2f} | {r['user_anon_bytes'] / kib:.0f} / "
+                   f"{r['expected_over_anon']:.2f} | {r['predicted_over_anon']:.2f} | {r['user_anon_bytes'] / kib:.0f} / "
                    f"{r['user_total_bytes'] / kib:.0f} |"
                    + (f" {_label_free_cell(r.get('label_free'))} |" if free else ""))
     out += ["", f"Measured anonymous within the budget: {s['within_budget']} of {s['rows']} (user process: "
-            f"{s['user_within_budget']}); prediction within +-15 % of it: {s['within_tolerance']} of {s['rows']}."]
+            f"{s['user_within_budget']}); expected within +-15 % of it: {s['within_tolerance']} of {s['rows']} "
+            f"(the bound: {s['bound_within_tolerance']})."]
     return "\n".join(out) + "\n"
 
 

@@ -10,7 +10,7 @@ The prediction with zero overheads splits each plan's peak into what the cost mo
 exact (gradient buffers, optimizer state, the rollback copy of the trained values, the feature
 cache: ``held``) and the activation part of the peaking phase: one micro-batch's training
 activations ``train``, or the prefix's inference activations ``inf`` when the features phase
-peaks. A least-squares fit of
+peaks. Two fits of
 
     measured - held = session_overhead_bytes + grad_op_bytes * (ops needing a gradient)
                       + graph_op_bytes * (ops of the training graph)
@@ -18,21 +18,28 @@ peaks. A least-squares fit of
                       + activation_factor * train + inference_activation_factor * inf
                       + (gradient_factor - 1) * trained
 
-over the plans (non-negative least squares, ``scipy.optimize.nnls``; iterated, since which
-phase peaks depends on the factors) gives the constants (``trained``: bytes of the trained
-tensors, whose backward also produces each gradient as a transient before adding it into the
-kept buffer, hence a fitted ``gradient_factor`` >= 1); by default the fixed overhead is then
-raised until no plan's measured peak exceeds its prediction by more than ``--tolerance``
-(default 5 %; a budget must hold, but one raise for every plan would over-predict the small
-plans several-fold), separately for the total and the anonymous figure.
-The constants of the chosen figure (``--fit``, default ``anon``: library code paged in on first
-use is file-backed and depends on the page cache, not on the plan) are written with the date,
-the versions, the command and the per-plan residuals to ``--out`` (default: the packaged
-``edgeadapt/sched/cost_model.json``), atomically.
+over the plans (``trained``: bytes of the trained tensors, whose backward also produces each
+gradient as a transient before adding it into the kept buffer, hence a fitted
+``gradient_factor`` >= 1; iterated, since which phase peaks depends on the constants) give
+
+* the **expected** peak: non-negative least squares of the relative error (``scipy.optimize.nnls``),
+  the point estimate reported beside each plan;
+* the **bound**: a linear programme (``scipy.optimize.linprog``) that minimises the summed relative
+  over-prediction subject to every plan predicted at least ``1 + --margin`` times its measured
+  peak (default 5 %), no constant below the point estimate's. Plans are made with the bound: a
+  budget must hold.
+
+The calibration plans span architectures: the CNN's ``PLANS``, a tiny model's ``TINY_PLANS``
+(the fixed cost of a session) and, with ``--models``, ``GENERIC_PLANS`` on other reference
+models (depthwise/pointwise convolutions, attention). The constants of the chosen figure
+(``--fit``, default ``anon``: library code paged in on first use is file-backed and depends on
+the page cache, not on the plan) are written with the date, the versions, the command and the
+per-plan residuals to ``--out`` (default: the packaged ``edgeadapt/sched/cost_model.json``, the
+bound at the top level and the point estimate under ``expected``), atomically.
 
 Usage::
 
-    .venv/bin/python benchmarks/calibrate_cost.py                 # CNN, 8 x 256, batch 30
+    .venv/bin/python benchmarks/calibrate_cost.py --models mobilenet transformer   # the shipped constants
     .venv/bin/python benchmarks/calibrate_cost.py --out /tmp/c.json --fit total
     .venv/bin/python benchmarks/calibrate_cost.py --model transformer --check   # shipped constants vs measured
 """
@@ -168,40 +175,74 @@ def _split(graph, plan, cost):
             channel_weight_bytes(graph, plan.params))
 
 
-def _raise_to_tolerance(rows, key, cost, tolerance):
-    """Raise the fixed overhead, or the per-op cost of the training graph, by the least that
-    leaves no plan under-predicted by more than ``tolerance``; of the two, the one with the
-    smaller mean relative error over the plans (one raise of the overhead for every plan
-    over-predicts the small plans several-fold when the short plans are the large graphs)."""
-    import math
+# The fitted constants in the order of _split's columns (after ``held``).
+_COLUMNS = ("activation_factor", "inference_activation_factor", "grad_op_bytes", "session_overhead_bytes",
+            "gradient_factor", "graph_op_bytes", "channel_weight_factor")
 
+
+def _cost_from(w) -> "CostModel":
+    from edgeadapt.sched import CostModel
+
+    d = dict(zip(_COLUMNS, (float(v) for v in w)))
+    return CostModel(session_overhead_bytes=int(round(d["session_overhead_bytes"])),
+                     grad_op_bytes=int(round(d["grad_op_bytes"])), graph_op_bytes=int(round(d["graph_op_bytes"])),
+                     channel_weight_factor=round(d["channel_weight_factor"], 4),
+                     activation_factor=round(max(d["activation_factor"], 0.05), 4),
+                     inference_activation_factor=round(max(d["inference_activation_factor"], 0.05), 4),
+                     gradient_factor=round(1.0 + d["gradient_factor"], 4), rollback_factor=1.0,
+                     rollback_state_factor=0.0)
+
+
+def _weights(cost) -> list[float]:
+    """The fitted constants of ``cost`` as the linear model's weights (``_COLUMNS`` order)."""
+    return [cost.activation_factor, cost.inference_activation_factor, cost.grad_op_bytes,
+            cost.session_overhead_bytes, cost.gradient_factor - 1.0, cost.graph_op_bytes, cost.channel_weight_factor]
+
+
+def _design(rows, key, cost):
+    """(columns, held, measured) of the linear model at the phases that peak under ``cost``."""
+    split = [_split(r["graph"], r["plan"], cost) for r in rows]
+    a = np.insert(np.array([s[1:] for s in split], dtype=np.float64), 3, 1.0, axis=1)  # the overhead's column
+    return (a, np.array([s[0] for s in split], dtype=np.float64),
+            np.array([r[key] for r in rows], dtype=np.float64))
+
+
+def fit_expected(rows, key: str):
+    """The point estimate: non-negative least squares of the *relative* error (each plan weighs the
+    same whatever its size). Iterated: which phase peaks depends on the constants."""
+    from edgeadapt.sched import CostModel
+
+    cost = CostModel(rollback_factor=1.0, rollback_state_factor=0.0)
+    for _ in range(6):
+        a, held, measured = _design(rows, key, cost)
+        w, _ = nnls(a / measured[:, None], 1.0 - held / measured)
+        cost = _cost_from(w)
+    return cost
+
+
+def fit_bound(rows, key: str, expected, margin: float = 0.05):
+    """The bound plans are made with: a linear programme (``scipy.optimize.linprog``) that minimises
+    the summed relative over-prediction subject to every plan predicted at least ``1 + margin``
+    times its measured figure, each constant at least the point estimate's (so a bound is never
+    below the expected figure, and only the constants the under-predicted plans need are
+    raised, not one intercept for every plan). Iterated like :func:`fit_expected`."""
+    from scipy.optimize import linprog
+
+    cost, floor = expected, _weights(expected)
+    for _ in range(6):
+        a, held, measured = _design(rows, key, cost)
+        res = linprog((a / measured[:, None]).sum(axis=0), A_ub=-a, b_ub=held - (1.0 + margin) * measured,
+                      bounds=[(f, None) for f in floor], method="highs")
+        if not res.success:
+            raise RuntimeError(f"no bound covers the measured plans: {res.message}")
+        cost = _cost_from(res.x)
+    return cost
+
+
+def _errors(rows, key, cost) -> list[float]:
     from edgeadapt.sched import predict
 
-    def short(c):
-        return [((1.0 - tolerance) * r[key] - predict(r["graph"], r["plan"], c).peak_bytes) for r in rows]
-
-    if max(short(cost)) <= 0:
-        return cost
-    options = []
-    for name in ("session_overhead_bytes", "graph_op_bytes"):
-        c = cost
-        for _ in range(8):  # which phase peaks may change: repeat until all plans are covered
-            gap = short(c)
-            if max(gap) <= 0:
-                break
-            if name == "session_overhead_bytes":
-                step = max(gap)
-            else:
-                per = [(g, _split(r["graph"], r["plan"], c)[5]) for g, r in zip(gap, rows) if g > 0]
-                if any(n == 0 for _, n in per):
-                    c = None
-                    break
-                step = max(g / n for g, n in per)
-            c = replace(c, **{name: getattr(c, name) + int(math.ceil(step))})
-        if c is not None and max(short(c)) <= 0:
-            err = sum(abs(predict(r["graph"], r["plan"], c).peak_bytes / r[key] - 1.0) for r in rows) / len(rows)
-            options.append((err, name, c))
-    return min(options, key=lambda o: o[0])[2]
+    return [round(predict(r["graph"], r["plan"], cost).peak_bytes / r[key] - 1.0, 3) for r in rows]
 
 
 def main(argv=None) -> int:
@@ -224,11 +265,9 @@ def main(argv=None) -> int:
     p.add_argument("--fit", choices=("anon", "total"), default="anon")
     p.add_argument("--check", action="store_true",
                    help="only compare the packaged constants' predictions with the measurements")
-    p.add_argument("--no-conservative", dest="conservative", action="store_false",
-                   help="keep the least-squares overhead (default: raise it so that no plan is under-predicted "
-                        "by more than --tolerance)")
-    p.add_argument("--tolerance", type=float, default=0.05,
-                   help="largest under-prediction left, as a fraction of the measured peak (default 0.05)")
+    p.add_argument("--margin", type=float, default=0.05,
+                   help="the bound's least over-prediction of every calibration plan, as a fraction of its "
+                        "measured peak (default 0.05)")
     p.add_argument("--rows", type=Path, help="also write the measured rows (with graph and plan) to this JSON")
     p.add_argument("--refit", type=Path, help="fit the rows of an earlier --rows file instead of measuring")
     p.add_argument("--out", type=Path, default=ROOT / "edgeadapt" / "sched" / "cost_model.json")
@@ -276,47 +315,40 @@ def main(argv=None) -> int:
 
     fits = {}
     for figure, key in (("total", "call_peak_bytes"), ("anon", "call_peak_anon_bytes")):
-        cost = CostModel(rollback_factor=1.0, rollback_state_factor=0.0)
-        for _ in range(5):  # which phase peaks depends on the factors: iterate to a fixed point
-            split = [_split(r["graph"], r["plan"], cost) for r in rows]
-            a = np.array([[t, i, g, 1.0, tb, go, cw] for _, t, i, g, tb, go, cw in split], dtype=np.float64)
-            y = np.array([r[key] - s[0] for r, s in zip(rows, split)], dtype=np.float64)
-            (f_train, f_inf, per_op, overhead, f_grad, per_graph_op, f_channel), _ = nnls(a, y)
-            cost = CostModel(session_overhead_bytes=int(round(overhead)), grad_op_bytes=int(round(per_op)),
-                             graph_op_bytes=int(round(per_graph_op)), channel_weight_factor=round(float(f_channel), 4),
-                             activation_factor=round(max(float(f_train), 0.05), 4),
-                             inference_activation_factor=round(max(float(f_inf), 0.05), 4),
-                             gradient_factor=round(1.0 + float(f_grad), 4),
-                             rollback_factor=1.0, rollback_state_factor=0.0)
-        if args.conservative:  # a budget must hold: raise a fixed term until no plan is under-predicted
-            cost = _raise_to_tolerance(rows, key, cost, args.tolerance)  # by more than the tolerance
-        errs = [round(predict(r["graph"], r["plan"], cost).peak_bytes / r[key] - 1.0, 3) for r in rows]
-        fits[figure] = {"session_overhead_bytes": cost.session_overhead_bytes, "grad_op_bytes": cost.grad_op_bytes,
-                        "graph_op_bytes": cost.graph_op_bytes, "channel_weight_factor": cost.channel_weight_factor,
-                        "activation_factor": cost.activation_factor,
-                        "inference_activation_factor": cost.inference_activation_factor,
-                        "gradient_factor": cost.gradient_factor, "relative_errors": errs}
-        log.info("fit %-5s: %s", figure, fits[figure])
+        expected = fit_expected(rows, key)
+        for kind, cost in (("expected", expected), ("bound", fit_bound(rows, key, expected, args.margin))):
+            fits[f"{figure} {kind}"] = {**{k: getattr(cost, k) for k in _COLUMNS},
+                                       "relative_errors": _errors(rows, key, cost)}
+            log.info("fit %-5s %-8s: %s", figure, kind, fits[f"{figure} {kind}"])
 
-    chosen = fits[args.fit]
-    cost = CostModel(session_overhead_bytes=chosen["session_overhead_bytes"], grad_op_bytes=chosen["grad_op_bytes"],
-                     graph_op_bytes=chosen["graph_op_bytes"], channel_weight_factor=chosen["channel_weight_factor"],
-                     activation_factor=chosen["activation_factor"],
-                     inference_activation_factor=chosen["inference_activation_factor"],
-                     gradient_factor=chosen["gradient_factor"],
-                     calibration={
-                         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                         "command": " ".join(["benchmarks/calibrate_cost.py", *(argv or sys.argv[1:])]),
-                         "figure": args.fit, "conservative": args.conservative, "tolerance": args.tolerance,
-                         "model": f"{' + '.join([args.model, *args.models])} {args.channels}x{args.time_steps}"
-                                  + (" + tiny (TINY_PLANS)" if args.tiny else ""),
-                         "batch_windows": args.batch, "n_windows": args.n_windows, "threads": args.threads,
-                         "versions": package_versions(("edgeadapt", "numpy", "scipy", "torch", "onnx",
-                                                       "onnxruntime-training-cpu", "onnxruntime-training")),
-                         "fits": fits,
-                         "plans": [{k: v for k, v in r.items() if k not in ("graph", "plan")} for r in rows],
-                     })
-    atomic_write_json(args.out, cost.to_dict())
+    # Constants this script does not fit (the batch-statistics ones of
+    # benchmarks/calibrate_batch_statistics.py, and their measurements) are kept from the file replaced.
+    kept, kept_calibration = {}, {}
+    if args.out.exists():
+        old = json.loads(args.out.read_text())
+        kept = {k: v for k, v in old.items()
+                if k not in (*_COLUMNS, "calibration", "expected", "rollback_factor", "rollback_state_factor")}
+        kept_calibration = {k: v for k, v in old.get("calibration", {}).items() if k == "batch_statistics"}
+
+    def constants(kind: str) -> dict:
+        return {**kept, **{k: v for k, v in fits[f"{args.fit} {kind}"].items() if k != "relative_errors"},
+                "rollback_factor": 1.0, "rollback_state_factor": 0.0}
+
+    cost = CostModel(**constants("bound"), calibration={**kept_calibration,
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": " ".join(["benchmarks/calibrate_cost.py", *(argv or sys.argv[1:])]),
+        "figure": args.fit, "margin": args.margin,
+        "model": f"{' + '.join([args.model, *args.models])} {args.channels}x{args.time_steps}"
+                 + (" + tiny (TINY_PLANS)" if args.tiny else ""),
+        "batch_windows": args.batch, "n_windows": args.n_windows, "threads": args.threads,
+        "versions": package_versions(("edgeadapt", "numpy", "scipy", "torch", "onnx",
+                                      "onnxruntime-training-cpu", "onnxruntime-training")),
+        "fits": fits,
+        "plans": [{k: v for k, v in r.items() if k not in ("graph", "plan")} for r in rows],
+    })
+    # The file holds the bound (what plans are made with) and, under "expected", the point
+    # estimate reported beside it (CostModel.default / CostModel.expected).
+    atomic_write_json(args.out, {**cost.to_dict(), "expected": constants("expected")})
     log.info("wrote %s", args.out)
     return 0
 

@@ -484,7 +484,7 @@ def _export(model: nn.Module, example_input: torch.Tensor, out_dir: str | Path, 
 
         def draft_for(plan: Plan | None, recomputed: bool) -> Manifest:
             draft = _draft_manifest(stage, entries, loss, opt, batchnorm, label, example_input, output, policy,
-                                    plan=None if plan is None else manifest_plan(plan, batchnorm),
+                                    plan=None if plan is None else manifest_plan(plan, batchnorm, graph, backends),
                                     graph=None if graph is None else graph.to_dict(), backends=backends,
                                     portable_files=None if portable is None else portable.files,
                                     portable=None if portable is None else portable.portable,

@@ -220,9 +220,12 @@ def cut_model(model_proto: onnx.ModelProto, graph: Graph, plan: Plan, entries: t
     return split, plan
 
 
-def manifest_plan(plan: Plan, batchnorm: str) -> dict:
-    """The plan as the manifest stores it: ``Plan.to_dict()`` plus ``predicted_peak_bytes``
-    (the predicted peak of one whole ``adapt`` call over ``plan.n_windows`` windows).
+def manifest_plan(plan: Plan, batchnorm: str, graph: Graph | None = None, engines: tuple[str, ...] = ()) -> dict:
+    """The plan as the manifest stores it: ``Plan.to_dict()`` plus ``predicted_peak_bytes`` (the
+    bound on the peak of one whole ``adapt`` call over ``plan.n_windows`` windows, which the
+    budget was checked against, under constants bounding every engine the bundle holds) and,
+    given the ``graph`` and the bundle's ``engines``, ``expected_peak_bytes``: per engine, the
+    point estimate of the same peak (:meth:`CostModel.expected`) on that engine.
 
     With batch statistics (``batchnorm="batch"``) each forward pass normalises with its own
     windows, so a step over several micro-batches would differ from one over the batch and the
@@ -235,4 +238,6 @@ def manifest_plan(plan: Plan, batchnorm: str) -> dict:
         plan = replace(plan, batch_windows=plan.micro_batch_windows)
     d = plan.to_dict()
     d["predicted_peak_bytes"] = None if plan.predicted is None else int(plan.predicted.peak_bytes)
+    if graph is not None and engines:
+        d["expected_peak_bytes"] = {e: predict(graph, plan, CostModel.expected(e)).peak_bytes for e in engines}
     return d

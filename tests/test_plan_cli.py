@@ -33,6 +33,7 @@ def test_plan_prints_what_trains_cut_batch_and_phases(planned_bundle, capsys):
     assert main(["plan", str(planned_bundle)]) == 0
     text = capsys.readouterr().out
     for needle in ("trains", "head.weight", "dw.bias", "cut          after op", "prefix runs once per adapt call",
+                   "expected     ", "point estimate",
                    "8 windows per step, micro-batches of 8", "planned for 40 adaptation windows",
                    "recompute", "predicted peak per phase", "<- peak"):
         assert needle in text, needle
@@ -49,6 +50,10 @@ def test_plan_json_matches_the_manifest(planned_bundle, capsys):
     assert report["cut"]["feature_cache_bytes"] == 40 * report["cut"]["features_bytes_per_window"] > 0
     assert {t["name"] for t in report["trains"]} == {"dw.weight", "dw.bias", "head.weight", "head.bias"}
     assert report["measured"] is None
+    # the point estimate per engine the bundle holds, as the manifest stores it, never over the bound
+    assert report["expected_bytes"] == manifest.plan["expected_peak_bytes"]
+    assert set(report["expected_bytes"]) == set(manifest.backends)
+    assert all(0 < v <= report["predicted_now"]["peak_bytes"] for v in report["expected_bytes"].values())
 
 
 def test_plan_for_another_window_count_predicts_again(planned_bundle):

@@ -93,8 +93,9 @@ def plan_report(bundle_dir: str | os.PathLike, *, n_windows: int | None = None,
         repredicted = predict(graph, plan, cost).to_dict()
         if plan.budget_bytes is not None:
             plan, repredicted, fit = _fit_budget(graph, plan, cost, repredicted, manifest.batch_statistics)
+        expected = {e: predict(graph, plan, CostModel.expected(e)).peak_bytes for e in manifest.backends}
     except ImportError:  # a planner without predict(): report what the exporter stored
-        repredicted = None
+        repredicted = expected = None
     try:
         from ..sched.verify import timeline
 
@@ -115,6 +116,7 @@ def plan_report(bundle_dir: str | os.PathLike, *, n_windows: int | None = None,
         "budget_bytes": plan.budget_bytes,
         "predicted": None if stored is None else stored.to_dict(),
         "predicted_now": repredicted,
+        "expected_bytes": expected,
         "predicted_timeline": events,
         "policy": plan.policy,
         **fit,
@@ -189,7 +191,11 @@ def format_report(r: dict[str, Any], measured: dict[str, Any] | None = None) -> 
         out.append(f"budget       {budget}; no prediction recorded")
     else:
         out.append(f"budget       {budget}; predicted peak of a whole adapt call {format_bytes(peak['peak_bytes'])} "
-                   f"at {peak['where']}")
+                   f"at {peak['where']} (the bound the budget is checked against)")
+        if r.get("expected_bytes"):
+            per = ", ".join(f"{format_bytes(v)} on {e}" for e, v in r["expected_bytes"].items())
+            out.append(f"expected     {per} (point estimate of the same peak per engine; a process may "
+                       "measure more or less)")
         if r.get("replanned"):
             out.append(f"             over the budget with the plan's micro-batch: chosen again for "
                        f"{r['n_windows']} windows, as adapt does")
@@ -205,11 +211,15 @@ def format_report(r: dict[str, Any], measured: dict[str, Any] | None = None) -> 
                    f"{measured['steps']} steps, fresh torch-free process as a user has it (edgeadapt.measure), "
                    f"device {measured['device']}")
         pred = peak["peak_bytes"] if peak else None
+        expected = (r.get("expected_bytes") or {}).get(measured.get("backend"))
         for label, key in (("total (VmHWM delta)", "call_peak_bytes"), ("anonymous (RssAnon)", "call_peak_anon_bytes")):
             v = measured[key]
-            ratio = f"  ({v / pred:.2f}x predicted)" if pred else ""
+            ratio = (f"  ({v / pred:.2f}x predicted" + (f", {v / expected:.2f}x expected" if expected else "") + ")"
+                     if pred else "")
             out.append(f"  {label:<22} {format_bytes(v):>11}{ratio}")
         out.append(f"  {'predicted':<22} {format_bytes(pred) if pred else '-':>11}")
+        if expected:
+            out.append(f"  {'expected':<22} {format_bytes(expected):>11}")
     return "\n".join(out)
 
 

@@ -187,9 +187,15 @@ class CostModel:
         ``benchmarks/calibrate_cost.py`` and shipped with the package, read once per process:
         every plan a process makes uses the same constants, even if the file is rewritten
         meanwhile (a calibration run)."""
-        if engine not in _CONSTANTS_FILES:
-            raise ValueError(f"no cost constants for engine {engine!r}; known: {list(ENGINES)}")
-        return cls.from_dict(json.loads(_shipped_constants_text(_CONSTANTS_FILES[engine])))
+        return cls.from_dict(_shipped_constants(engine)[0])
+
+    @classmethod
+    def expected(cls, engine: str = "ort-training") -> CostModel:
+        """The point estimate of engine ``engine``'s constants (least squares of the relative
+        error over the same calibration): what a plan is *expected* to take, reported beside
+        the bound that :meth:`default` gives and plans are made with. Never plan with these:
+        about half of the calibration plans measure more than their expected figure."""
+        return cls.from_dict(_shipped_constants(engine)[1])
 
     @classmethod
     def bounding(cls, engines: Iterable[str]) -> CostModel:
@@ -204,6 +210,19 @@ class CostModel:
             return models[0]
         values = {f.name: max(getattr(m, f.name) for m in models) for f in fields(cls) if f.name != "calibration"}
         return cls(**values, calibration={"bound_of": list(dict.fromkeys(engines))})
+
+
+def _shipped_constants(engine: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(bound, expected) constants of ``engine`` from its shipped file: the bound at the top
+    level, the point estimate under ``"expected"``."""
+    if engine not in _CONSTANTS_FILES:
+        raise ValueError(f"no cost constants for engine {engine!r}; known: {list(ENGINES)}")
+    d = json.loads(_shipped_constants_text(_CONSTANTS_FILES[engine]))
+    expected = d.pop("expected", None)
+    if expected is None:
+        raise ValueError(f"{_CONSTANTS_FILES[engine]} has no 'expected' constants; re-run "
+                         "benchmarks/calibrate_cost.py")
+    return d, expected
 
 
 @functools.cache

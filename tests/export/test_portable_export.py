@@ -31,10 +31,11 @@ def _data(n: int, seed: int = 1):
 
 @pytest.fixture(scope="module")
 def both_bundle(tmp_path_factory):
-    """Channel subset of conv2, head, BN biases; frozen BatchNorm; AdamW; both backends."""
+    """Channel subset of conv2, head, BN biases; frozen BatchNorm; AdamW; both backends; the
+    training graph over the whole model (no cached prefix: the torch reference runs all of it)."""
     out = tmp_path_factory.mktemp("portable") / "both"
     x, _ = _data(BATCH)
-    export_bundle(make_cnn(), torch.from_numpy(x), out, policy=POLICY, backend="both",
+    export_bundle(make_cnn(), torch.from_numpy(x), out, policy=POLICY, backend="both", cache_features=False,
                   optimizer=OptimizerConfig("adamw", lr=LR, weight_decay=0.01))
     return out
 

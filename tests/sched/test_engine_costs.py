@@ -44,3 +44,19 @@ def test_a_plan_within_budget_under_the_bound_is_within_it_on_every_engine(seed)
         cost = CostModel.default(engine)
         assert predict(g, plan, cost).peak_bytes <= peak
         verify(g, plan, peak, cost=cost)  # raises BudgetExceeded otherwise
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_expected_peak_never_exceeds_the_bound_plans_are_made_with(seed):
+    """The calibration fits the bound with every constant at least the point estimate's, and every
+    phase of predict grows with every constant: the expected figure of any plan is at most its
+    bound, on each engine."""
+    rng = random.Random(seed)
+    g = random_graph(rng, rng.randint(3, 12))
+    plan = random_plan(rng, g)
+    for engine in ENGINES:
+        expected, bound = CostModel.expected(engine), CostModel.default(engine)
+        for f in fields(CostModel):
+            if f.name != "calibration":
+                assert getattr(expected, f.name) <= getattr(bound, f.name), (engine, f.name)
+        assert predict(g, plan, expected).peak_bytes <= predict(g, plan, bound).peak_bytes
