@@ -356,14 +356,13 @@ def memory_sweep(args, work: Path) -> dict[str, Any]:
             measured = _median_report(runs)
             plan = plan_summary(manifest["plan"])
             pred = plan["predicted_peak_bytes"]
+            expected = (plan["expected_peak_bytes"] or {}).get(measured.get("backend"))  # the engine that ran it
             row = {"budget_bytes": budget, "export_s": export_s, **plan,
                    "trainable_numel": manifest_trainable(manifest), **measured,
                    "predicted_over_measured": ratio(pred, measured["call_peak_bytes"]),
                    "predicted_over_measured_anon": ratio(pred, measured["call_peak_anon_bytes"]),
-                   # the point estimate for the engine that ran the call
-                   "expected_peak_bytes": (plan["expected_peak_bytes"] or {}).get(measured.get("backend")),
-                   "expected_over_measured_anon": ratio((plan["expected_peak_bytes"] or {}).get(measured.get("backend")),
-                                                        measured["call_peak_anon_bytes"]),
+                   "expected_peak_bytes": expected,
+                   "expected_over_measured_anon": ratio(expected, measured["call_peak_anon_bytes"]),
                    "torch_over_runner": ratio(eager["call_peak_bytes"], measured["call_peak_bytes"]),
                    "torch_over_runner_anon": ratio(eager["call_peak_anon_bytes"], measured["call_peak_anon_bytes"]),
                    "runs": runs}

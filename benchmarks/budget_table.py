@@ -47,7 +47,8 @@ def to_markdown(rows: list[dict], command: str, settings: CheckSettings) -> str:
            "*expected*: the cost model's point estimate of the whole call; *bound*: the prediction the "
            "plan was made and checked with (the budget holds if the measured peak stays under it).", "",
            "| model | budget | trains (elements) | micro | expected | bound | measured anon | measured total "
-           "| expected/anon | bound/anon | user process anon / total |" + (" label-free anon / user anon |" if free else ""),
+           "| expected/anon | bound/anon | user process anon / total |"
+           + (" label-free anon / user anon |" if free else ""),
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if free else "")]
     for r in rows:
         if "error" in r:
@@ -59,7 +60,8 @@ def to_markdown(rows: list[dict], command: str, settings: CheckSettings) -> str:
         out.append(f"| {r['model']} | {r['budget_bytes'] / kib:.0f} | {r['trainable_numel']:,} | "
                    f"{r['micro_batch_windows']} | {r['expected_bytes'] / kib:.0f} | {r['predicted_bytes'] / kib:.0f} | "
                    f"{'**' + anon + '** (over)' if over else anon} | {r['call_peak_bytes'] / kib:.0f} | "
-                   f"{r['expected_over_anon']:.2f} | {r['predicted_over_anon']:.2f} | {r['user_anon_bytes'] / kib:.0f} / "
+                   f"{r['expected_over_anon']:.2f} | {r['predicted_over_anon']:.2f} | "
+                   f"{r['user_anon_bytes'] / kib:.0f} / "
                    f"{r['user_total_bytes'] / kib:.0f} |"
                    + (f" {_label_free_cell(r.get('label_free'))} |" if free else ""))
     out += ["", f"Measured anonymous within the budget: {s['within_budget']} of {s['rows']} (user process: "

@@ -151,7 +151,6 @@ def _split(graph, plan, cost):
     bytes, ops of the training graph, whole bytes of channel-split weights) of the prediction under ``cost``
     with zero overheads and unit activation factors, at the larger of the features and the
     training peaks (rescaled by ``cost``'s factors to choose which one peaks)."""
-    from dataclasses import replace
 
     from edgeadapt.sched import predict
     from edgeadapt.sched.cost import activation_arrays, channel_weight_bytes
@@ -180,7 +179,7 @@ _COLUMNS = ("activation_factor", "inference_activation_factor", "grad_op_bytes",
             "gradient_factor", "graph_op_bytes", "channel_weight_factor")
 
 
-def _cost_from(w) -> "CostModel":
+def _cost_from(w):
     from edgeadapt.sched import CostModel
 
     d = dict(zip(_COLUMNS, (float(v) for v in w)))
