@@ -450,16 +450,17 @@ def memory_markdown(res: dict[str, Any]) -> str:
             lines.append(
                 f"| {format_bytes(r['budget_bytes'])} | {r['trainable_numel']:,} | {r['micro_batch_windows']} | "
                 f"{r['cut']}{' (yes)' if r['cache_features'] else ''} | {r['recomputed']} | "
-                f"{format_bytes(r['expected_peak_bytes'])} | "
+                f"{format_bytes(r.get('expected_peak_bytes'))} | "
                 f"{format_bytes(r['predicted_peak_bytes'])} | {format_bytes(r['call_peak_bytes'])} | "
                 f"{format_bytes(r['call_peak_anon_bytes'])} | {format_bytes(r['step_peak_bytes'])} | "
-                f"{format_bytes(r['step_peak_anon_bytes'])} | {_x(r['expected_over_measured_anon'], 2)} | "
+                f"{format_bytes(r['step_peak_anon_bytes'])} | {_x(r.get('expected_over_measured_anon'), 2)} | "
                 f"{_x(r['predicted_over_measured'], 2)} "
                 f"({_x(r['predicted_over_measured_anon'], 2)}) | "
                 f"{_x(ratio(r['call_peak_anon_bytes'], r['budget_bytes']), 2)} | {_x(r['torch_over_runner'])} | "
                 f"{_x(r['torch_over_runner_anon'])} |")
         ok = [r for r in m["rows"] if "error" not in r]
-        close = sum(1 for r in ok if abs(r["expected_over_measured_anon"] - 1) <= 0.15)
+        close = sum(1 for r in ok if r.get("expected_over_measured_anon") is not None
+                    and abs(r["expected_over_measured_anon"] - 1) <= 0.15)
         bound_close = sum(1 for r in ok if abs(r["predicted_over_measured_anon"] - 1) <= 0.15)
         kept = sum(1 for r in ok if r["call_peak_anon_bytes"] <= r["budget_bytes"])
         lines += ["", f"{name}: expected within +-15% of the measured anonymous call peak at {close} of {len(ok)} "

@@ -23,6 +23,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 import sys
 import tempfile
@@ -58,9 +59,9 @@ def to_markdown(rows: list[dict], command: str, settings: CheckSettings) -> str:
         over = r["call_peak_anon_bytes"] > r["budget_bytes"]
         anon = f"{r['call_peak_anon_bytes'] / kib:.0f}"
         out.append(f"| {r['model']} | {r['budget_bytes'] / kib:.0f} | {r['trainable_numel']:,} | "
-                   f"{r['micro_batch_windows']} | {r['expected_bytes'] / kib:.0f} | {r['predicted_bytes'] / kib:.0f} | "
+                   f"{r['micro_batch_windows']} | {_kib(r.get('expected_bytes'))} | {r['predicted_bytes'] / kib:.0f} | "
                    f"{'**' + anon + '** (over)' if over else anon} | {r['call_peak_bytes'] / kib:.0f} | "
-                   f"{r['expected_over_anon']:.2f} | {r['predicted_over_anon']:.2f} | "
+                   f"{_ratio(r.get('expected_over_anon'))} | {r['predicted_over_anon']:.2f} | "
                    f"{r['user_anon_bytes'] / kib:.0f} / "
                    f"{r['user_total_bytes'] / kib:.0f} |"
                    + (f" {_label_free_cell(r.get('label_free'))} |" if free else ""))
@@ -68,6 +69,14 @@ def to_markdown(rows: list[dict], command: str, settings: CheckSettings) -> str:
             f"{s['user_within_budget']}); expected within +-15 % of it: {s['within_tolerance']} of {s['rows']} "
             f"(the bound: {s['bound_within_tolerance']})."]
     return "\n".join(out) + "\n"
+
+
+def _kib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 1024:.0f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None or not math.isfinite(value) else f"{value:.2f}"
 
 
 def _label_free_cell(row: dict | None) -> str:
@@ -123,12 +132,13 @@ def main(argv: list[str] | None = None) -> int:
                         row["label_free"] = {"error": f"{type(e).__name__}: {last[:300]}"}
                 rows.append(row)
                 print({k: v for k, v in row.items() if k not in ("graph", "plan")}, flush=True)
-    md = to_markdown(rows, command, settings)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / ("budget_table_" + args.backend + ("_batch" if args.batchnorm == "batch" else "")
                        + ("_label_free" if args.label_free else ""))
+    # the measurements first: a table that cannot be drawn must not lose them
     atomic_write_json(f"{stem}.json", {"command": command, "settings": asdict(settings), "host": host_info(),
                                        "rows": rows})
+    md = to_markdown(rows, command, settings)
     atomic_write_bytes(f"{stem}.md", md.encode())
     print(md)
     return 0

@@ -195,7 +195,11 @@ class CostModel:
         error over the same calibration): what a plan is *expected* to take, reported beside
         the bound that :meth:`default` gives and plans are made with. Never plan with these:
         about half of the calibration plans measure more than their expected figure."""
-        return cls.from_dict(_shipped_constants(engine)[1])
+        expected = _shipped_constants(engine)[1]
+        if expected is None:
+            raise ValueError(f"{_CONSTANTS_FILES[engine]} has no 'expected' constants; re-run "
+                             "benchmarks/calibrate_cost.py")
+        return cls.from_dict(expected)
 
     @classmethod
     def bounding(cls, engines: Iterable[str]) -> CostModel:
@@ -212,16 +216,13 @@ class CostModel:
         return cls(**values, calibration={"bound_of": list(dict.fromkeys(engines))})
 
 
-def _shipped_constants(engine: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def _shipped_constants(engine: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """(bound, expected) constants of ``engine`` from its shipped file: the bound at the top
-    level, the point estimate under ``"expected"``."""
+    level, the point estimate under ``"expected"`` (``None`` where the file has none)."""
     if engine not in _CONSTANTS_FILES:
         raise ValueError(f"no cost constants for engine {engine!r}; known: {list(ENGINES)}")
     d = json.loads(_shipped_constants_text(_CONSTANTS_FILES[engine]))
     expected = d.pop("expected", None)
-    if expected is None:
-        raise ValueError(f"{_CONSTANTS_FILES[engine]} has no 'expected' constants; re-run "
-                         "benchmarks/calibrate_cost.py")
     return d, expected
 
 
