@@ -59,7 +59,8 @@ from ..sched.ir import DTYPE_BYTES, Graph, Op, Param
 from ..sched.offload import RESIDENT_KIND
 from .loss_memory import TargetKind, first_window, loss_memory_per_window, per_window_bytes
 
-__all__ = ["Block", "find_blocks", "trace_graph", "BlockError", "ROOT_BLOCK", "nested_tensors", "FAKE_TRACE_DEVICES"]
+__all__ = ["Block", "find_blocks", "trace_graph", "BlockError", "TraceError", "ROOT_BLOCK", "nested_tensors",
+           "FAKE_TRACE_DEVICES"]
 
 ROOT_BLOCK = "<root>"
 """Name of the block of the parameters outside every streamed block (no module path has it)."""
@@ -74,6 +75,10 @@ log = logging.getLogger(__name__)
 
 class BlockError(ValueError):
     """The model cannot be cut into blocks the streaming trainer can move."""
+
+
+class TraceError(RuntimeError):
+    """The model's forward cannot be traced, neither on the meta device nor with one real window."""
 
 
 @dataclass(frozen=True)
@@ -512,6 +517,52 @@ def _trace_runs(model: nn.Module, blocks: list[Block], inputs: tuple, param_shap
     return whole, one, named, recurrent
 
 
+def _real_trace_runs(model: nn.Module, blocks: list[Block], inputs: tuple, param_shapes: dict[str, tuple[int, ...]],
+                     batch: int, cause: Exception) -> tuple[_BlockRun, None, dict[str, torch.Tensor], dict[int, int]]:
+    """:func:`_trace_runs` for a model whose forward the meta trace cannot run (``cause``): shapes
+    that depend on the data (``torch.nonzero``, boolean indexing, ``.item()`` in control flow).
+    One real window of the batch runs on the CPU, with copies of the model's weights and buffers
+    where it still holds them (seeded random values of the traced shapes otherwise, which only
+    sizes what depends on them), and the model is left untouched. What depends on the data is
+    sized by that window: a later batch that keeps more is caught by the trainer's ledger.
+
+    Raises:
+        TraceError: the real run failed too (both causes in the message).
+    """
+    log.warning("the meta trace of %s failed (%s: %s); traced with one real window on the CPU instead: "
+                "what depends on the data is sized by that window", type(model).__name__, type(cause).__name__,
+                str(cause).splitlines()[0] if str(cause) else "")
+    twin = _twin(model, blocks)
+    if twin is not None:
+        model, blocks = twin
+    own = dict(model.named_parameters())
+    gen = torch.Generator().manual_seed(0)
+    state: dict[str, torch.Tensor] = {}
+    for n, shape in param_shapes.items():
+        p = own.get(n)
+        real = p is not None and tuple(p.shape) == tuple(shape) and p.device.type != "meta"
+        value = (p.detach().to("cpu", copy=True) if real
+                 else torch.randn(shape, generator=gen) / max(1, shape[-1] if shape else 1) ** 0.5)
+        state[n] = value.requires_grad_(value.is_floating_point())
+    state.update({n: b.detach().to("cpu", copy=True) for n, b in model.named_buffers()})
+    window = tuple(t.detach().to("cpu") if isinstance(t, torch.Tensor) else t for t in first_window(inputs, batch))
+    param_keys = {id(t) for t in state.values()} | {_storage_key(t) for t in state.values()}
+    try:
+        with contextlib.nullcontext() if twin is not None else _restoring(model):
+            whole = _run_blocks(model, blocks, state, param_keys, window)
+    except BlockError:
+        raise
+    except Exception as e:
+        raise TraceError(f"cannot trace {type(model).__name__}'s forward to plan its memory: on the meta device "
+                         f"{type(cause).__name__}: {cause}; with one real window on the CPU {type(e).__name__}: {e}. "
+                         "Make the forward run on one window of the example input on the CPU") from e
+    recurrent = _take_out_recurrent(whole)
+    whole.output = tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta")
+                            if isinstance(t, torch.Tensor) else t, whole.output)
+    named = {n: torch.empty(shape, device="meta") for n, shape in param_shapes.items()}
+    return whole, None, named, recurrent
+
+
 def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.Tensor],
                 blocks: list[Block] | None = None, *, param_shapes: dict[str, tuple[int, ...]] | None = None,
                 loss_fn: Callable | None = None, target: torch.Tensor | TargetKind | None = None,
@@ -564,17 +615,26 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
         except Exception as e:  # an op without a fake kernel: the meta trace's upper bound instead
             log.info("the %s fake trace of %s failed (%s: %s); traced on meta, an upper bound", kind,
                      type(model).__name__, type(e).__name__, e)
+    windows = batch  # the windows the trace ran
     if runs is None:
-        runs = _trace_runs(model, blocks, inputs, param_shapes, batch, "meta")
+        try:
+            runs = _trace_runs(model, blocks, inputs, param_shapes, batch, "meta")
+        except BlockError:
+            raise
+        except Exception as e:  # noqa: BLE001 - shapes that depend on the data: one real window instead
+            runs, windows = _real_trace_runs(model, blocks, inputs, param_shapes, batch, e), 1
+            if isinstance(target, torch.Tensor):
+                target = first_window(target, batch)
     whole, one, named, recurrent = runs
     order, out = whole.order, whole.output
     params: list[Param] = []
     ops: list[Op] = []
     prev: str | None = None
-    per = lambda v: -(-v // batch)  # noqa: E731  (ceil per window)
+    per = lambda v: -(-v // windows)  # noqa: E731  (ceil per window)
 
     def per_window(field: str, i: int) -> int:
-        return per_window_bytes(getattr(whole, field)[i], getattr(one, field)[i] if one is not None else None, batch)
+        return per_window_bytes(getattr(whole, field)[i], getattr(one, field)[i] if one is not None else None,
+                                windows)
 
     def add_params(b: Block) -> None:
         for pn in b.param_names:
@@ -592,7 +652,7 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
         add_params(b)
         numel = sum(named[pn].numel() for pn in b.param_names)
         rec = recurrent.get(i, 0)  # the recurrent layers' bytes per window, measured apart
-        saved = (per_window("saved_bytes", i) + rec, whole.saved_bytes[i] + rec * batch)
+        saved = (per_window("saved_bytes", i) + rec, whole.saved_bytes[i] + rec * windows)
         ops.append(Op(b.name, "block", params=b.param_names, inputs=() if prev is None else (prev,),
                       output_bytes=per_window("out_bytes", i), saved_bytes=saved[0], saved_traced_bytes=saved[1],
                       workspace_bytes=per_window("out_bytes", i),
@@ -600,14 +660,15 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
         prev = b.name
     loss = None  # per window
     if loss_fn is not None:
-        loss = loss_memory_per_window(loss_fn, out, target, batch)
+        loss = loss_memory_per_window(loss_fn, out, target, windows)
     if loss_fn is not None and loss is None and isinstance(target, torch.Tensor):
         log.warning("the loss could not run on the meta device with the batch's targets: its memory is not in the "
                     "plan, so leave room for it in the budget")
     # the step holds its input batch and, when the loss was measured, its targets throughout
     batch_bytes = sum(_nbytes(t) for t in inputs if isinstance(t, torch.Tensor))
-    input_bytes = per(batch_bytes) + (loss.target_bytes if loss else 0)
-    outside = per_window_bytes(whole.outside_saved_bytes, one.outside_saved_bytes if one is not None else None, batch)
+    input_bytes = -(-batch_bytes // batch) + (loss.target_bytes if loss else 0)
+    outside = per_window_bytes(whole.outside_saved_bytes, one.outside_saved_bytes if one is not None else None,
+                               windows)
     return Graph(tuple(ops), tuple(params), input_bytes=input_bytes, name=type(model).__name__,
                  loss_saved_bytes=loss.saved_bytes if loss else 0, loss_peak_bytes=loss.peak_bytes if loss else 0,
-                 outside_saved_bytes=outside, traced_windows=batch, outside_traced_bytes=whole.outside_saved_bytes)
+                 outside_saved_bytes=outside, traced_windows=windows, outside_traced_bytes=whole.outside_saved_bytes)
