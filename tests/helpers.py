@@ -26,6 +26,19 @@ def as_if_pretrained(model, generator=None):
     return draw(model, generator)
 
 
+def load_benchmark(name: str, *, register: bool = False):
+    """The script ``benchmarks/<name>.py`` as a module (``register``: also in ``sys.modules``, for
+    code that looks its module up by name, such as dataclasses sent to worker processes)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    if register:
+        sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_python(code: str, *, block_torch: bool = False, cwd: Path | None = None, timeout_s: int = 300):
     """Run ``code`` in a fresh interpreter; returns the CompletedProcess (text mode)."""
     src = (TORCH_BLOCKER if block_torch else "") + textwrap.dedent(code)

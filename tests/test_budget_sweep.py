@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from helpers import load_benchmark
 
 from edgeadapt.harness.budget_check import budget_ladder
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "budget_sweep.py"
 
 
 @pytest.fixture(scope="module")
 def bs():
-    spec = importlib.util.spec_from_file_location("budget_sweep", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("budget_sweep")
 
 
 def test_ladder_is_geometric_and_keeps_both_ends():

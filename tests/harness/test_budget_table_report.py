@@ -4,23 +4,18 @@ a graph) or whose export failed."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
+from helpers import load_benchmark
 
 from edgeadapt.harness.budget_check import CheckSettings, summarize
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "budget_table.py"
 
 
 @pytest.fixture(scope="module")
 def bt():
-    spec = importlib.util.spec_from_file_location("budget_table", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("budget_table")
 
 
 def _row(model, budget, anon, predicted, expected):

@@ -54,13 +54,9 @@ def _study_row(subject: int, method: str, accuracy: float) -> dict:
 def test_loso_reports_a_refused_export_and_the_subjects_each_row_covers():
     """A method whose export is refused for one subject (e.g. the self-check) does not run for it:
     the study goes on, that method's row covers the other subjects, and the table says which."""
-    import importlib.util
+    from helpers import load_benchmark
 
-    from tests.helpers import REPO
-
-    spec = importlib.util.spec_from_file_location("loso", REPO / "benchmarks" / "loso.py")
-    loso = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(loso)
+    loso = load_benchmark("loso")
     methods = ["source-only", "bn-stats", "entropy", "label-free"]
     subjects = [0, 1, 2]
     rows = [_study_row(s, m, 0.80 if m == "source-only" else 0.80 + 0.01 * (k + 1) * (s + 1))

@@ -10,11 +10,12 @@ Memory and time depend on the machine and its load and are not compared. The fix
 
 from __future__ import annotations
 
-import importlib.util
 import warnings
 from pathlib import Path
 
 import pytest
+
+from helpers import load_benchmark
 
 from edgeadapt.harness.quickstart import readme_table
 
@@ -22,10 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("quickstart_readme", REPO / "benchmarks" / "quickstart_readme.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("quickstart_readme")
 
 
 def _row(method: str, after: float, numel: int) -> dict:

@@ -441,16 +441,9 @@ def test_every_damaged_portable_file_is_refused_naming_it(cnn_both):
 
 
 def _fault_injection():
-    import importlib.util
-    import sys
+    from helpers import load_benchmark
 
-    from helpers import REPO
-
-    spec = importlib.util.spec_from_file_location("fault_injection", REPO / "benchmarks" / "fault_injection.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["fault_injection"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("fault_injection", register=True)
 
 
 @pytest.mark.parametrize("backend", ["portable", "ort-training"])

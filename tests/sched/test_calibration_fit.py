@@ -4,17 +4,15 @@ plan by the margin with no constant below the expected one's."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
 from dataclasses import fields
-from pathlib import Path
 
 import pytest
+from helpers import load_benchmark
 from sched_testgraphs import random_graph, random_plan
 
 from edgeadapt.sched import CostModel, predict
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "calibrate_cost.py"
 KEY = "call_peak_anon_bytes"
 TRUTH = CostModel(session_overhead_bytes=300_000, grad_op_bytes=40_000, graph_op_bytes=25_000,
                   channel_weight_factor=2.0, activation_factor=1.2, inference_activation_factor=0.8,
@@ -23,10 +21,7 @@ TRUTH = CostModel(session_overhead_bytes=300_000, grad_op_bytes=40_000, graph_op
 
 @pytest.fixture(scope="module")
 def cal():
-    spec = importlib.util.spec_from_file_location("calibrate_cost", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("calibrate_cost")
 
 
 def _rows(seed: int, noise: float) -> list[dict]:
