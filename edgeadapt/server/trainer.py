@@ -126,6 +126,12 @@ def resolve_loss(loss: str | Callable) -> tuple[str, Callable]:
     return getattr(loss, "__name__", "custom"), loss
 
 
+def window_shapes(tensors) -> tuple:
+    """The shape of one window of each input tensor (every axis after the batch's) and its dtype:
+    what a traced graph's per-window bytes depend on."""
+    return tuple((tuple(t.shape[1:]), str(t.dtype)) for t in tensors)
+
+
 def plan_training(model: nn.Module, example_input, *, offload: str = "host", memory_budget: int | str | None = None,
                   device: str = "auto", optimizer: str = "adamw", recompute: bool | str = "auto",
                   prefetch_depth: int = 1, update_chunk_numel: int | None = None,
@@ -258,6 +264,10 @@ class Trainer:
         self._model = model
         self._graph: Graph | None = None
         self._plans: dict[int, Plan] = {}
+        # the graph and plans of each window shape met (a plan made for short sequences does not fit
+        # long ones): the current ones are _graph / _plans, of the inputs' window shape _graph_key
+        self._graph_key: tuple | None = None
+        self._other_shapes: dict[tuple, tuple[Graph, dict[int, Plan]]] = {}
         model.train()
         self.buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
         # the loss's bytes are measured with targets of a known kind (a built-in loss), or again with
@@ -266,6 +276,7 @@ class Trainer:
         if example_input is not None:
             self._graph = trace_graph(model, example_input, self.blocks, loss_fn=self.loss_fn,
                                       target=LOSS_TARGETS.get(self.loss_name), device=self.device)
+            self._graph_key = window_shapes(nested_tensors(example_input))
 
         self.executor: StreamingExecutor | None = None
         self.store = None
@@ -365,8 +376,12 @@ class Trainer:
         x = xs[0] if isinstance(x, torch.Tensor) else type(x)(xs)
         y = y.to(self.device)
         batch = int(xs[0].shape[0])
+        key = window_shapes(xs)
         if self._graph is None or not self._loss_measured:
             self._trace(x, y)
+            self._graph_key = key
+        elif key != self._graph_key and self.offload is not None:  # in memory nothing is planned
+            self._switch_shapes(x, y, key)
         in_bytes = sum(t.numel() * t.element_size() for t in xs) + y.numel() * y.element_size()
         plan = self._plan_for(batch)
         micro = plan.micro_batch_windows if plan is not None else batch
@@ -393,6 +408,22 @@ class Trainer:
         self._loss_measured = True
         if first:
             self._open_baselines()  # the one-off trace is loading, not training: the baseline after it
+
+    def _switch_shapes(self, x, y: torch.Tensor, key: tuple) -> None:
+        """Plan for windows of another shape (longer sequences, larger images): the graph and plans
+        of a shape met before come back; a new shape is traced (its plans are made per batch size
+        as they come)."""
+        self._other_shapes[self._graph_key] = (self._graph, self._plans)
+        if key in self._other_shapes:
+            self._graph, self._plans = self._other_shapes.pop(key)
+        else:
+            log.info("windows of a new shape %s (planned for %s): tracing the model again", key, self._graph_key)
+            with self._steps.tracing():
+                self._graph = trace_graph(self._model, x, self.blocks, param_shapes=self.param_shapes,
+                                          loss_fn=self.loss_fn, target=LOSS_TARGETS.get(self.loss_name, y),
+                                          device=self.device)
+            self._plans = {}
+        self._graph_key = key
 
     def _open_baselines(self) -> None:
         self.process_memory.open()
