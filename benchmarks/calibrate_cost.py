@@ -99,6 +99,8 @@ GENERIC_PLANS = (
     ("full", 30, False), ("full", 8, False), ("full", 2, False),
     ("head=full", 1, False), ("head=full", 8, False),
 )
+# Calibration-only small nets (``_small_model``), measured with GENERIC_PLANS when named in --models.
+SMALL_MODELS = ("small-lstm", "small-mlp", "small-conv2d", "small-tcn")
 # Checked (``--check``) in addition to PLANS, not fitted. The check of the fitted constants is
 # ``benchmarks/budget_sweep.py`` (the planner's own plans, other runs and settings).
 CHECK_PLANS: tuple = ()
@@ -120,6 +122,47 @@ def _tiny_model(channels: int, classes: int):
     return Tiny().eval()
 
 
+def _small_model(name: str, channels: int, classes: int, time_steps: int):
+    """Small user-style nets measured only for calibration (``--models small-lstm ...``): layer
+    kinds the reference models lack (a recurrent layer, 2-D convolutions, dilated 1-D ones, a wide
+    first ``Linear``), each ending in a ``head``. None is one of the check's nets
+    (``edgeadapt.harness.budget_check``)."""
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            if name == "small-lstm":
+                self.body = nn.LSTM(channels, 12, batch_first=True)
+                width = 12
+            elif name == "small-mlp":
+                self.body = nn.Sequential(nn.Flatten(), nn.Linear(channels * time_steps, 48), nn.ReLU(),
+                                          nn.Linear(48, 24), nn.Tanh())
+                width = 24
+            elif name == "small-conv2d":
+                self.body = nn.Sequential(nn.Conv2d(1, 6, (3, 5)), nn.ReLU(), nn.Conv2d(6, 6, (3, 5), stride=2),
+                                          nn.ReLU())
+                width = 6
+            elif name == "small-tcn":
+                self.body = nn.Sequential(nn.Conv1d(channels, 12, 3), nn.ReLU(), nn.Conv1d(12, 12, 3, dilation=4),
+                                          nn.ReLU())
+                width = 12
+            else:
+                raise ValueError(f"unknown calibration net {name!r}; use one of {SMALL_MODELS}")
+            self.head = nn.Linear(width, classes)
+
+        def forward(self, x):  # x: (batch, channels, time)
+            if name == "small-lstm":
+                return self.head(self.body(x.transpose(1, 2))[0].mean(dim=1))
+            if name == "small-mlp":
+                return self.head(self.body(x))
+            if name == "small-conv2d":
+                return self.head(self.body(x.unsqueeze(1)).mean(dim=(2, 3)))
+            return self.head(self.body(x).mean(dim=-1))
+
+    return Net().eval()
+
+
 def _export(args, policy: str, micro: int, cache: bool, directory: Path, model_name: str | None = None):
     import torch
 
@@ -128,8 +171,12 @@ def _export(args, policy: str, micro: int, cache: bool, directory: Path, model_n
 
     torch.manual_seed(args.seed)
     model_name = model_name or args.model
-    model = (_tiny_model(args.channels, args.classes) if model_name == "tiny"
-             else build_model(model_name, args.channels, args.classes, args.time_steps))
+    if model_name == "tiny":
+        model = _tiny_model(args.channels, args.classes)
+    elif model_name in SMALL_MODELS:
+        model = _small_model(model_name, args.channels, args.classes, args.time_steps)
+    else:
+        model = build_model(model_name, args.channels, args.classes, args.time_steps)
     example = torch.randn(args.batch, args.channels, args.time_steps, generator=torch.Generator().manual_seed(1))
     out = directory / f"{model_name}-{policy}-{micro}-{int(cache)}"
     manifest = export_bundle(model, example, out, policy=UpdatePolicy.parse(policy), n_windows=args.n_windows,
