@@ -12,8 +12,9 @@ the cut. Its training and eval models take ``features`` as their input. The runn
 The prefix runs in an ONNX Runtime *inference* session of a model without training ops, so it
 holds no gradient or optimizer buffers. Its memory arena and memory pattern are off: the
 transient buffers of a micro-batch go back to the allocator instead of staying reserved by
-the session while the suffix trains. Its graph is optimised one level below the highest, which
-would re-lay 2-D convolutions out in padded SIMD blocks the memory plan does not count.
+the session while the suffix trains. Its graph gets ONNX Runtime's extended optimisations but not
+the layout ones, which would re-lay 2-D convolutions out in padded SIMD blocks the memory plan
+does not count.
 
 Torch-free (numpy + onnxruntime; merging the two halves for :func:`merge_inference` uses the
 ``onnx`` package that onnxruntime-training installs).
@@ -58,9 +59,10 @@ class PrefixModel:
         options = ort.SessionOptions()
         options.enable_cpu_mem_arena = False
         options.enable_mem_pattern = False
-        # one level below the highest: that one lays 2-D convolutions out in SIMD-blocked channels
-        # (NCHWc), padding few channels and keeping reordered copies the graph IR does not count
-        # (a 6-channel Conv2d net's feature pass held 2.9x as much); 1-D convolutions are unaffected
+        # extended optimisations, without the layout ones: those lay 2-D convolutions out in
+        # SIMD-blocked channels (NCHWc), padding few channels and keeping reordered copies the graph
+        # IR does not count (a 6-channel Conv2d net's feature pass held 2.9x as much); 1-D
+        # convolutions are unaffected
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
         if threads:
             options.intra_op_num_threads = int(threads)

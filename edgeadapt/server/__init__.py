@@ -12,12 +12,12 @@ from .executor import StreamingExecutor
 from .progress import TrainProgress
 from .residency import MemoryLedger, Residency
 from .store import DiskStore, HostStore, OffloadDirError
-from .trace import Block, BlockError, find_blocks, trace_graph
+from .trace import Block, BlockError, TraceError, find_blocks, trace_graph
 from .trainer import LOSSES, Trainer, resolve_device
 
 __all__ = [
     "Trainer", "OptimizerConfig", "LOSSES", "resolve_device", "TrainProgress",
-    "BudgetExceeded", "BlockTooLarge", "CheckpointMismatch", "OffloadDirError", "BlockError",
+    "BudgetExceeded", "BlockTooLarge", "CheckpointMismatch", "OffloadDirError", "BlockError", "TraceError",
     "StreamingExecutor", "MemoryLedger", "Residency", "HostStore", "DiskStore",
     "Block", "find_blocks", "trace_graph",
 ]

@@ -272,17 +272,20 @@ def _run_blocks(model: nn.Module, blocks: list[Block], state: dict[str, torch.Te
     input_keys = {_storage_key(t) for t in nested_tensors(traced_inputs)}
 
     def pack(t: torch.Tensor):
+        # no backward runs: autograd keeps nothing (a saved output returned to it would form a
+        # cycle through its graph that outlives the trace, with real tensors real memory), and
+        # `keep` holds every tensor until the run ends, so no address is reused meanwhile
         key = _storage_key(t)
         keep.append(t)
         if key in param_keys or id(t) in param_keys:
-            return t
+            return None
         if active:
             i = active[-1]
             if key not in in_keys.get(i, ()):
                 saved[i][key] = max(saved[i].get(key, 0), _held(t))
         elif key not in input_keys:  # the model's own code between blocks (the batch is the input's)
             outside[key] = max(outside.get(key, 0), _held(t))
-        return t
+        return None
 
     recurrent: list[_RecurrentCall] = []
     first = nested_tensors(traced_inputs)
@@ -311,11 +314,12 @@ def _run_blocks(model: nn.Module, blocks: list[Block], state: dict[str, torch.Te
                 handles.append(m.register_forward_hook(rnn_post))
     try:
         with torch.random.fork_rng(devices=[]), torch.enable_grad(), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
             out = torch.func.functional_call(model, state, traced_inputs, strict=False)
     finally:
         for h in handles:
             h.remove()
+        keep.clear()
     missing = [blocks[i].name for i in range(len(blocks)) if i not in order and not blocks[i].resident]
     if missing:
         raise BlockError(f"blocks {missing} never run in the forward of the example input; the streaming "
@@ -366,16 +370,19 @@ def _recurrent_saved_bytes(config: tuple[type[nn.RNNBase], tuple[tuple[str, obje
     x.requires_grad_()
     skip = {t.untyped_storage().data_ptr() for t in layer.parameters()}
     storages: dict[int, int] = {}
+    keep: list[torch.Tensor] = []  # alive until the run ends: no address is reused meanwhile
 
     def pack(t):
+        keep.append(t)
         if t.untyped_storage().data_ptr() not in skip:
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
+        return None  # no backward runs: autograd keeps nothing (see _run_blocks)
 
     with torch.random.fork_rng(devices=[]), torch.enable_grad(), \
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
         out = layer(x)
     del out
+    keep.clear()
     return sum(storages.values())
 
 
@@ -439,13 +446,23 @@ def _traced(value) -> bool:
 
 
 @contextlib.contextmanager
-def _restoring(model: nn.Module):
+def _restoring(model: nn.Module, real: bool = False):
     """Put back what a traced forward cached on the modules: a plain attribute now a tensor (a
     table of positions, a mask) returns to what it was (``None``, or absent), and a dict or list
-    attribute that now holds a meta or fake tensor gets its former items back."""
+    attribute that now holds a meta or fake tensor gets its former items back (``real``: a
+    forward on real tensors, whose caches hold real ones: any dict or list whose items changed)."""
     before = _attributes(model)
     items = {key: (dict(v) if isinstance(v, dict) else list(v)) for key, (_, v) in before.items()
-             if isinstance(v, (dict, list)) and not _traced(v)}
+             if isinstance(v, (dict, list)) and (real or not _traced(v))}
+
+    def changed(key, v) -> bool:
+        if not real:
+            return _traced(v)
+        old = items[key]
+        if isinstance(v, dict):
+            return v.keys() != old.keys() or any(v[k] is not old[k] for k in v)
+        return len(v) != len(old) or any(a is not b for a, b in zip(v, old))
+
     try:
         yield
     finally:
@@ -455,7 +472,7 @@ def _restoring(model: nn.Module):
                     del m.__dict__[key[1]]
                 elif before[key][1] is not v:
                     m.__dict__[key[1]] = before[key][1]
-            elif key in items and _traced(v):
+            elif key in items and changed(key, v):
                 if isinstance(v, dict):
                     v.clear()
                     v.update(items[key])
@@ -530,8 +547,9 @@ def _real_trace_runs(model: nn.Module, blocks: list[Block], inputs: tuple, param
         TraceError: the real run failed too (both causes in the message).
     """
     log.warning("the meta trace of %s failed (%s: %s); traced with one real window on the CPU instead: "
-                "what depends on the data is sized by that window", type(model).__name__, type(cause).__name__,
-                str(cause).splitlines()[0] if str(cause) else "")
+                "what depends on the data is sized by that window (with the model's own weights when it still "
+                "holds them: pass example_input to the Trainer for such a model)", type(model).__name__,
+                type(cause).__name__, str(cause).splitlines()[0] if str(cause) else "")
     twin = _twin(model, blocks)
     if twin is not None:
         model, blocks = twin
@@ -541,14 +559,16 @@ def _real_trace_runs(model: nn.Module, blocks: list[Block], inputs: tuple, param
     for n, shape in param_shapes.items():
         p = own.get(n)
         real = p is not None and tuple(p.shape) == tuple(shape) and p.device.type != "meta"
-        value = (p.detach().to("cpu", copy=True) if real
+        # the weights themselves where they are on the CPU (a forward does not change them; no
+        # copy of the model is made), a CPU copy of others
+        value = (p.detach().to("cpu") if real
                  else torch.randn(shape, generator=gen) / max(1, shape[-1] if shape else 1) ** 0.5)
         state[n] = value.requires_grad_(value.is_floating_point())
-    state.update({n: b.detach().to("cpu", copy=True) for n, b in model.named_buffers()})
+    state.update({n: b.detach().to("cpu", copy=True) for n, b in model.named_buffers()})  # a forward updates some
     window = tuple(t.detach().to("cpu") if isinstance(t, torch.Tensor) else t for t in first_window(inputs, batch))
     param_keys = {id(t) for t in state.values()} | {_storage_key(t) for t in state.values()}
     try:
-        with contextlib.nullcontext() if twin is not None else _restoring(model):
+        with contextlib.nullcontext() if twin is not None else _restoring(model, real=True):
             whole = _run_blocks(model, blocks, state, param_keys, window)
     except BlockError:
         raise
@@ -599,6 +619,7 @@ def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.T
 
     Raises:
         BlockError: a block runs twice in one forward, or never runs.
+        TraceError: the forward runs neither on the meta device nor on one real window.
     """
     blocks = find_blocks(model) if blocks is None else blocks
     inputs = tuple(example_input) if isinstance(example_input, (tuple, list)) else (example_input,)

@@ -126,6 +126,11 @@ def resolve_loss(loss: str | Callable) -> tuple[str, Callable]:
     return getattr(loss, "__name__", "custom"), loss
 
 
+MAX_KEPT_SHAPES = 16
+"""Window shapes whose graph and plans a trainer keeps besides the current one (each new shape is
+traced, about a second; batches of many lengths are best padded to a few)."""
+
+
 def window_shapes(tensors) -> tuple:
     """The shape of one window of each input tensor (every axis after the batch's) and its dtype:
     what a traced graph's per-window bytes depend on."""
@@ -346,7 +351,7 @@ class Trainer:
 
     @property
     def plan(self) -> Plan | None:
-        """The plan of the latest batch size (``None`` in memory)."""
+        """The plan of the latest batch size and window shape (``None`` in memory)."""
         return self._steps.plan
 
     @property
@@ -377,10 +382,12 @@ class Trainer:
         y = y.to(self.device)
         batch = int(xs[0].shape[0])
         key = window_shapes(xs)
-        if self._graph is None or not self._loss_measured:
+        if self.offload is None:  # in memory nothing is planned: no trace
+            pass
+        elif self._graph is None or not self._loss_measured:
             self._trace(x, y)
             self._graph_key = key
-        elif key != self._graph_key and self.offload is not None:  # in memory nothing is planned
+        elif key != self._graph_key:
             self._switch_shapes(x, y, key)
         in_bytes = sum(t.numel() * t.element_size() for t in xs) + y.numel() * y.element_size()
         plan = self._plan_for(batch)
@@ -414,6 +421,8 @@ class Trainer:
         of a shape met before come back; a new shape is traced (its plans are made per batch size
         as they come)."""
         self._other_shapes[self._graph_key] = (self._graph, self._plans)
+        while len(self._other_shapes) > MAX_KEPT_SHAPES:  # the least recently used goes
+            self._other_shapes.pop(next(iter(self._other_shapes)))
         if key in self._other_shapes:
             self._graph, self._plans = self._other_shapes.pop(key)
         else:

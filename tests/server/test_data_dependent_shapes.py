@@ -41,7 +41,7 @@ def make():
 def test_the_trace_falls_back_to_one_real_window_and_leaves_the_model_alone(caplog):
     model = make()
     before = {n: p.detach().clone() for n, p in model.state_dict().items()}
-    x = torch.randn(8, 32)
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
     with caplog.at_level(logging.WARNING, logger="edgeadapt.server.trace"):
         g = trace_graph(model, x, device="cpu")
     assert "one real window" in caplog.text
@@ -65,13 +65,14 @@ def test_a_forward_that_cannot_run_at_all_names_both_failures():
             h = self.lin(x)
             return h[h > 0].reshape(3, -1)  # a shape only some data allows
 
-    with pytest.raises(TraceError, match="meta device .*one real window on the CPU"):
+    with pytest.raises(TraceError, match="(?s)meta device .*one real window on the CPU"):
         trace_graph(nn.Sequential(Broken(), nn.Linear(4, 2)), torch.randn(2, 4), device="cpu")
 
 
 @pytest.mark.parametrize("offload", ["host", "disk"])
 def test_the_trainer_trains_it_under_a_budget_as_in_memory(tmp_path, offload):
-    x, y = torch.randn(16, 32), torch.randint(0, 5, (16,))
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 32, generator=g), torch.randint(0, 5, (16,), generator=g)
     reference = Trainer(make(), loss="cross_entropy", optimizer={"name": "adamw", "lr": 1e-2}, memory_budget=None,
                         offload=None, device="cpu")
     expected = [reference.step(x, y) for _ in range(3)]
@@ -87,3 +88,48 @@ def test_the_trainer_trains_it_under_a_budget_as_in_memory(tmp_path, offload):
     # over 16 windows of O(1) values, a few ulps per addition
     assert losses == pytest.approx(expected, rel=1e-5)
     trainer.close()
+
+
+def test_the_real_trace_leaves_no_tensor_behind():
+    """No backward runs in a trace: autograd keeps none of the real window's tensors (a saved
+    output handed back to it would form a cycle through its graph that outlives the trace)."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    # tanh keeps its own output for its backward: the case that formed the cycle
+    model = nn.Sequential(nn.Sequential(Sparse(), nn.Tanh()), nn.Sequential(Sparse(), nn.Tanh()), nn.Linear(32, 5))
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
+    made: list = []
+
+    def spy(_module, _inputs, out):
+        made.append(weakref.ref(out))
+
+    hooks = [m.register_forward_hook(spy) for m in model.modules() if isinstance(m, nn.Tanh)]
+    trace_graph(model, x, device="cpu")
+    for h in hooks:
+        h.remove()
+    gc.collect()
+    assert made and all(r() is None for r in made)
+
+
+def test_an_uncopyable_model_traced_in_place_gets_its_caches_back():
+    """A model the trace cannot copy runs in place; what its forward cached on a module (a list
+    and a dict filled with real tensors) is put back."""
+
+    class Caching(Sparse):
+        def __init__(self):
+            super().__init__()
+            self.seen, self.table = [], {}
+            self.lock = __import__("threading").Lock()  # refuses copy.deepcopy
+
+        def forward(self, x):
+            out = super().forward(x)
+            self.seen.append(out)
+            self.table["last"] = out
+            return out
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Caching(), nn.Linear(32, 5))
+    trace_graph(model, torch.randn(4, 32, generator=torch.Generator().manual_seed(2)), device="cpu")
+    assert model[0].seen == [] and model[0].table == {}
