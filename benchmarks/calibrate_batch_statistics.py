@@ -56,7 +56,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 MODELS = ("cnn", "mobilenet", "conv2d")
-ENGINES = {"ort-training": "cost_model.json", "portable": "cost_model_portable.json"}
 PASS_WINDOWS = (4, 16)
 # Share of a measured training peak the batch-statistics terms must cover beyond its excess.
 MARGIN = 0.02
@@ -167,9 +166,10 @@ def main() -> int:
                         help="fit again from the measurements stored in the constants files (no measuring)")
     args = parser.parse_args()
     from edgeadapt.atomic import atomic_write_json
+    from edgeadapt.sched.cost import CONSTANTS_FILES
 
     with tempfile.TemporaryDirectory(prefix="edgeadapt-bn-cal-") as scratch:
-        for engine, name in ENGINES.items():
+        for engine, name in CONSTANTS_FILES.items():
             path = ROOT / "edgeadapt" / "sched" / name
             if args.refit:
                 stored = json.loads(path.read_text())["calibration"]["batch_statistics"]

@@ -47,10 +47,10 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import math
 import datetime as dt
 import json
 import logging
+import math
 import sys
 import tempfile
 from dataclasses import replace
@@ -63,9 +63,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 log = logging.getLogger("calibrate_cost")
-
-# The packaged constants file of each engine (edgeadapt/sched/).
-CONSTANTS_FILES = {"ort-training": "cost_model.json", "portable": "cost_model_portable.json"}
 
 # (policy, micro_batch_windows, cache_features)
 PLANS = (
@@ -311,7 +308,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="cnn")
     p.add_argument("--models", nargs="*", default=[], metavar="MODEL",
-                   help="other reference models measured with GENERIC_PLANS and fitted together with --model's")
+                   help="other reference models, or calibration-only small nets (SMALL_MODELS), measured with "
+                        "GENERIC_PLANS and fitted together with --model's")
     p.add_argument("--channels", type=int, default=8)
     p.add_argument("--time-steps", type=int, default=256)
     p.add_argument("--classes", type=int, default=5)
@@ -339,6 +337,7 @@ def main(argv=None) -> int:
 
     from edgeadapt.atomic import atomic_write_json
     from edgeadapt.sched import CostModel, Graph, Plan, predict
+    from edgeadapt.sched.cost import CONSTANTS_FILES
     from edgeadapt.versions import package_versions
 
     rows = []

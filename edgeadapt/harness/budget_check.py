@@ -163,6 +163,7 @@ def check_budget(name: str, budget_bytes: int, workdir: Path,
     bound = measure_in_fresh_process(MeasureSpec(**common, trim_heap=True), env=env)
     user = measure_in_fresh_process(MeasureSpec(**common, predict_first=True), env=env)
     predicted = int(plan["predicted_peak_bytes"])
+    expected = (plan.get("expected_peak_bytes") or {}).get(bound["backend"])  # for the engine that ran the call
     return {
         "model": name, "budget_bytes": budget_bytes, "backend": bound["backend"],
         "trainable_numel": manifest.trainable_numel, "total_numel": manifest.total_numel,
@@ -173,10 +174,8 @@ def check_budget(name: str, budget_bytes: int, workdir: Path,
         "user_anon_bytes": user["call_peak_anon_bytes"], "user_total_bytes": user["call_peak_bytes"],
         "step_peak_anon_bytes": bound["step_peak_anon_bytes"], "steps": bound["steps"],
         "predicted_over_anon": predicted / max(1, bound["call_peak_anon_bytes"]),
-        # the point estimate for the engine that ran the call
-        "expected_bytes": (plan.get("expected_peak_bytes") or {}).get(bound["backend"]),
-        "expected_over_anon": ((plan.get("expected_peak_bytes") or {}).get(bound["backend"], math.nan)
-                               / max(1, bound["call_peak_anon_bytes"])),
+        "expected_bytes": expected,
+        "expected_over_anon": math.nan if expected is None else expected / max(1, bound["call_peak_anon_bytes"]),
         # the form benchmarks/calibrate_cost.py --refit reads: the rows can calibrate the cost model
         "policy": f"budget {budget_bytes}", "graph": manifest.graph, "plan": manifest.plan,
     }

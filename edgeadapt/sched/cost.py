@@ -45,15 +45,16 @@ from .ir import Graph
 from .plan import Peak, Plan
 from .resolve import trained_bytes
 
-__all__ = ["CostModel", "predict", "PHASES", "ENGINES", "needs_grad", "live_bytes", "activation_arrays",
-           "ActivationArrays", "clean_cut", "channel_weight_bytes", "batch_norm_ops"]
+__all__ = ["CostModel", "predict", "PHASES", "ENGINES", "CONSTANTS_FILES", "needs_grad", "live_bytes",
+           "activation_arrays", "ActivationArrays", "clean_cut", "channel_weight_bytes", "batch_norm_ops"]
 
 # The graph IR's op kind of a BatchNorm normalising with batch statistics.
 BATCH_NORM_KIND = "BatchNormalization"
 PHASES = ("session", "features", "rollback", "forward", "backward", "optimizer")
-# The shipped constants of each training engine (runtime.engines), measured by benchmarks/calibrate_cost.py.
-_CONSTANTS_FILES = {"ort-training": "cost_model.json", "portable": "cost_model_portable.json"}
-ENGINES = tuple(_CONSTANTS_FILES)
+# The shipped constants file of each training engine (runtime.engines), in this package, written by
+# benchmarks/calibrate_cost.py and benchmarks/calibrate_batch_statistics.py.
+CONSTANTS_FILES = {"ort-training": "cost_model.json", "portable": "cost_model_portable.json"}
+ENGINES = tuple(CONSTANTS_FILES)
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,7 @@ class CostModel:
         about half of the calibration plans measure more than their expected figure."""
         expected = _shipped_constants(engine)[1]
         if expected is None:
-            raise ValueError(f"{_CONSTANTS_FILES[engine]} has no 'expected' constants; re-run "
+            raise ValueError(f"{CONSTANTS_FILES[engine]} has no 'expected' constants; re-run "
                              "benchmarks/calibrate_cost.py")
         return cls.from_dict(expected)
 
@@ -219,9 +220,9 @@ class CostModel:
 def _shipped_constants(engine: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """(bound, expected) constants of ``engine`` from its shipped file: the bound at the top
     level, the point estimate under ``"expected"`` (``None`` where the file has none)."""
-    if engine not in _CONSTANTS_FILES:
+    if engine not in CONSTANTS_FILES:
         raise ValueError(f"no cost constants for engine {engine!r}; known: {list(ENGINES)}")
-    d = json.loads(_shipped_constants_text(_CONSTANTS_FILES[engine]))
+    d = json.loads(_shipped_constants_text(CONSTANTS_FILES[engine]))
     expected = d.pop("expected", None)
     return d, expected
 

@@ -240,6 +240,11 @@ class Graph:
                if self.traced_windows else {}),
         }
 
+    def traced_at(self, windows: int) -> bool:
+        """Whether the graph was traced on exactly ``windows`` windows: its ``Op.saved_traced_bytes``
+        and ``outside_traced_bytes`` are then the figures for them."""
+        return self.traced_windows == windows
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Graph:
         return cls(ops=tuple(Op(**o) for o in d["ops"]),

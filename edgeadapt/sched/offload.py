@@ -234,7 +234,7 @@ def block_costs(graph: Graph, batch_windows: int, *, optimizer: str = "adamw",
     vectors = 1 + OPTIMIZER_STATE_COPIES[optimizer] + int(accumulate)
     out: list[BlockCost] = []
     prev_out = graph.input_bytes
-    exact = graph.traced_windows == batch_windows  # the traced batch's own figures
+    exact = graph.traced_at(batch_windows)  # the traced batch's own figures
     for op in graph.ops:
         w = sum(graph.param(p).param_bytes for p in op.params)
         per_vector = w if staging_chunk_bytes is None else min(w, staging_chunk_bytes)
@@ -424,7 +424,7 @@ def plan_offload(graph: Graph, budget_bytes: int, *, batch_windows: int = 1, tie
         # what the model's own code between blocks saves is held, like the loss's saved tensors,
         # until the backward ends; counted from the forward's start (an upper bound)
         return {"loss_saved_bytes": graph.loss_saved_bytes * mb, "loss_peak_bytes": graph.loss_peak_bytes * mb,
-                "outside_saved_bytes": graph.outside_traced_bytes if graph.traced_windows == mb
+                "outside_saved_bytes": graph.outside_traced_bytes if graph.traced_at(mb)
                 else graph.outside_saved_bytes * mb}
 
     def fit(mb: int, depth: int, chunk: int, overlap: UpdateOverlap) -> _Setting | None:

@@ -498,6 +498,34 @@ def _twin(model: nn.Module, blocks: list[Block]) -> tuple[nn.Module, list[Block]
         return None
 
 
+@contextlib.contextmanager
+def _traceable(model: nn.Module, blocks: list[Block], real: bool = False):
+    """The model and blocks a traced forward runs on: a twin (:func:`_twin`), or the model itself
+    with what its forward caches put back afterwards (:func:`_restoring`; ``real``: a forward on
+    real tensors) where it cannot be copied."""
+    twin = _twin(model, blocks)
+    if twin is not None:
+        yield twin
+    else:
+        with _restoring(model, real):
+            yield model, blocks
+
+
+def _finished(whole: _BlockRun, one: _BlockRun | None, param_shapes: dict[str, tuple[int, ...]]):
+    """What :func:`_trace_runs` returns of its runs: ``whole`` and ``one``, the traced parameters
+    by name, and per block what its recurrent layers keep per window (taken out of the runs' saved
+    bytes and measured on the CPU; the larger of the two runs')."""
+    recurrent = _take_out_recurrent(whole)
+    if one is not None:  # per window, the larger of the batch's and the first window's alone
+        for i, b in _take_out_recurrent(one).items():
+            recurrent[i] = max(recurrent.get(i, 0), b)
+    # the loss is measured on meta from the output's shapes: no fake or real tensor leaves the trace
+    whole.output = tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta")
+                            if isinstance(t, torch.Tensor) else t, whole.output)
+    named = {n: torch.empty(shape, device="meta") for n, shape in param_shapes.items()}
+    return whole, one, named, recurrent
+
+
 def _trace_runs(model: nn.Module, blocks: list[Block], inputs: tuple, param_shapes: dict[str, tuple[int, ...]],
                 batch: int, kind: str) -> tuple[_BlockRun, _BlockRun | None, dict[str, torch.Tensor], dict[int, int]]:
     """The forward of the whole batch and of its first window alone (``None`` when that cannot run
@@ -505,10 +533,7 @@ def _trace_runs(model: nn.Module, blocks: list[Block], inputs: tuple, param_shap
     (their saved bytes without the recurrent layers'), the traced parameters by name, and per block
     what its recurrent layers keep per window (measured on the CPU)."""
     space = contextlib.nullcontext() if kind == "meta" else FakeTensorMode(allow_non_fake_inputs=True)
-    twin = _twin(model, blocks)
-    if twin is not None:
-        model, blocks = twin
-    with contextlib.nullcontext() if twin is not None else _restoring(model), space:
+    with _traceable(model, blocks) as (model, blocks), space:
         traced = tuple(torch.empty(t.shape, dtype=t.dtype, device=kind) if isinstance(t, torch.Tensor) else t
                        for t in inputs)
         state = {n: torch.empty(shape, device=kind, requires_grad=True) for n, shape in param_shapes.items()}
@@ -523,25 +548,18 @@ def _trace_runs(model: nn.Module, blocks: list[Block], inputs: tuple, param_shap
                 one = None
             if one is not None and one.order != whole.order:
                 one = None
-    recurrent = _take_out_recurrent(whole)
-    if one is not None:  # per window, the larger of the batch's and the first window's alone
-        for i, b in _take_out_recurrent(one).items():
-            recurrent[i] = max(recurrent.get(i, 0), b)
-    # the loss is measured on meta from the output's shapes: no fake tensor leaves this function
-    whole.output = tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta")
-                            if isinstance(t, torch.Tensor) else t, whole.output)
-    named = {n: torch.empty(shape, device="meta") for n, shape in param_shapes.items()}
-    return whole, one, named, recurrent
+    return _finished(whole, one, param_shapes)
 
 
 def _real_trace_runs(model: nn.Module, blocks: list[Block], inputs: tuple, param_shapes: dict[str, tuple[int, ...]],
                      batch: int, cause: Exception) -> tuple[_BlockRun, None, dict[str, torch.Tensor], dict[int, int]]:
     """:func:`_trace_runs` for a model whose forward the meta trace cannot run (``cause``): shapes
     that depend on the data (``torch.nonzero``, boolean indexing, ``.item()`` in control flow).
-    One real window of the batch runs on the CPU, with copies of the model's weights and buffers
-    where it still holds them (seeded random values of the traced shapes otherwise, which only
-    sizes what depends on them), and the model is left untouched. What depends on the data is
-    sized by that window: a later batch that keeps more is caught by the trainer's ledger.
+    One real window of the batch runs on the CPU, with the model's own weights where they are on
+    the CPU (a CPU copy of others; seeded random values of the traced shapes where the model no
+    longer holds them, which only size what depends on them) and copies of its buffers; the model
+    is left as it was. What depends on the data is sized by that window: a later batch that keeps
+    more is caught by the trainer's ledger.
 
     Raises:
         TraceError: the real run failed too (both causes in the message).
@@ -550,9 +568,6 @@ def _real_trace_runs(model: nn.Module, blocks: list[Block], inputs: tuple, param
                 "what depends on the data is sized by that window (with the model's own weights when it still "
                 "holds them: pass example_input to the Trainer for such a model)", type(model).__name__,
                 type(cause).__name__, str(cause).splitlines()[0] if str(cause) else "")
-    twin = _twin(model, blocks)
-    if twin is not None:
-        model, blocks = twin
     own = dict(model.named_parameters())
     gen = torch.Generator().manual_seed(0)
     state: dict[str, torch.Tensor] = {}
@@ -568,7 +583,7 @@ def _real_trace_runs(model: nn.Module, blocks: list[Block], inputs: tuple, param
     window = tuple(t.detach().to("cpu") if isinstance(t, torch.Tensor) else t for t in first_window(inputs, batch))
     param_keys = {id(t) for t in state.values()} | {_storage_key(t) for t in state.values()}
     try:
-        with contextlib.nullcontext() if twin is not None else _restoring(model, real=True):
+        with _traceable(model, blocks, real=True) as (model, blocks):
             whole = _run_blocks(model, blocks, state, param_keys, window)
     except BlockError:
         raise
@@ -576,11 +591,7 @@ def _real_trace_runs(model: nn.Module, blocks: list[Block], inputs: tuple, param
         raise TraceError(f"cannot trace {type(model).__name__}'s forward to plan its memory: on the meta device "
                          f"{type(cause).__name__}: {cause}; with one real window on the CPU {type(e).__name__}: {e}. "
                          "Make the forward run on one window of the example input on the CPU") from e
-    recurrent = _take_out_recurrent(whole)
-    whole.output = tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta")
-                            if isinstance(t, torch.Tensor) else t, whole.output)
-    named = {n: torch.empty(shape, device="meta") for n, shape in param_shapes.items()}
-    return whole, None, named, recurrent
+    return _finished(whole, None, param_shapes)
 
 
 def trace_graph(model: nn.Module, example_input: torch.Tensor | Sequence[torch.Tensor],

@@ -407,14 +407,19 @@ class Trainer:
         traced from ``example_input`` had them guessed): plans made before are dropped if the loss's
         bytes changed."""
         first = self._graph is None
-        with self._steps.tracing():
-            graph = trace_graph(self._model, x, self.blocks, param_shapes=self.param_shapes, loss_fn=self.loss_fn,
-                                target=LOSS_TARGETS.get(self.loss_name, y), device=self.device)
+        graph = self._traced_graph(x, y)
         if first or graph != self._graph:
             self._graph, self._plans = graph, {}
         self._loss_measured = True
         if first:
             self._open_baselines()  # the one-off trace is loading, not training: the baseline after it
+
+    def _traced_graph(self, x, y: torch.Tensor) -> Graph:
+        """The graph of the model and its loss traced on the batch ``(x, y)`` (the weights as the
+        steps hold them)."""
+        with self._steps.tracing():
+            return trace_graph(self._model, x, self.blocks, param_shapes=self.param_shapes, loss_fn=self.loss_fn,
+                               target=LOSS_TARGETS.get(self.loss_name, y), device=self.device)
 
     def _switch_shapes(self, x, y: torch.Tensor, key: tuple) -> None:
         """Plan for windows of another shape (longer sequences, larger images): the graph and plans
@@ -427,11 +432,7 @@ class Trainer:
             self._graph, self._plans = self._other_shapes.pop(key)
         else:
             log.info("windows of a new shape %s (planned for %s): tracing the model again", key, self._graph_key)
-            with self._steps.tracing():
-                self._graph = trace_graph(self._model, x, self.blocks, param_shapes=self.param_shapes,
-                                          loss_fn=self.loss_fn, target=LOSS_TARGETS.get(self.loss_name, y),
-                                          device=self.device)
-            self._plans = {}
+            self._graph, self._plans = self._traced_graph(x, y), {}
         self._graph_key = key
 
     def _open_baselines(self) -> None:
