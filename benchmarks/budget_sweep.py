@@ -85,6 +85,8 @@ ANON_INTERVAL_S = 0.001
 WEIGHT_DECAY = 0.01
 # Labelled source-subject windows per fold on which the planner's importance is measured.
 IMPORTANCE_WINDOWS = 128
+# Source subjects of each fold on which the validated selection scores its candidates.
+VALIDATION_SUBJECTS = 3
 
 
 # ------------------------------------------------------------------------------------------
@@ -283,17 +285,20 @@ def plan_summary(plan: dict[str, Any]) -> dict[str, Any]:
             "predicted_where": (plan.get("predicted") or {}).get("where")}
 
 
-def export_bundle_at(model, example, out: Path, *, lr: float, budget: int | None = None, policy: str | None = None,
+def export_bundle_at(model, example, out: Path, *, lr: float, budget: int | None = None, policy=None,
                      n_windows: int, batch_windows: int, batchnorm: str = "frozen",
                      importance: dict | None = None) -> tuple[dict[str, Any], float]:
     """Export ``model`` under ``budget`` (the planner picks what trains, by ``importance``;
-    default: the exporter measures it on ``example``) or with ``policy`` (an
-    ``UpdatePolicy.parse`` spec, no budget); returns the manifest as JSON and the export time."""
+    default: the exporter measures it on ``example``) or with ``policy`` (an ``UpdatePolicy`` or
+    its ``UpdatePolicy.parse`` spec; with a budget: fitted to it); returns the manifest as JSON
+    and the export time."""
     from edgeadapt.export import OptimizerConfig, UpdatePolicy, export_bundle
 
     t0 = time.perf_counter()
     extra = {} if importance is None else {"importance": importance}
-    export_bundle(model, example, out, policy=None if policy is None else UpdatePolicy.parse(policy),
+    if isinstance(policy, str):
+        policy = UpdatePolicy.parse(policy)
+    export_bundle(model, example, out, policy=policy,
                   memory_budget=budget, n_windows=n_windows, batch_windows=batch_windows, batchnorm=batchnorm,
                   optimizer=OptimizerConfig("adamw", lr=lr, weight_decay=WEIGHT_DECAY), **extra)
     return json.loads((out / "manifest.json").read_text()), time.perf_counter() - t0
@@ -570,7 +575,10 @@ def loso_sweep(args, work: Path, on_fold=None) -> dict[str, Any]:
                                  "n_classes": n_classes, "time_steps": shape[1], "n_windows": n_windows,
                                  "batch_windows": args.loso_batch, "epochs": args.loso_epochs, "threads": args.threads,
                                  "seed": args.seed, "lr": args.lr}, work / "torch")
-    methods = [f"budget {format_bytes(b)}" for b in budgets] + list(PRESETS)
+    # Budget rows: (budget index, selection) in the order of the table.
+    selections = ["validated", "importance"] if args.selection == "both" else [args.selection]
+    budget_rows = [(bi, sel) for sel in selections for bi in range(len(budgets))]
+    methods = [budget_method(budgets[bi], sel, args.selection) for bi, sel in budget_rows] + list(PRESETS)
     rows: list[dict[str, Any]] = []
     t_start = time.perf_counter()
     for fi, target in enumerate(subjects):
@@ -584,13 +592,20 @@ def loso_sweep(args, work: Path, on_fold=None) -> dict[str, Any]:
         ex = torch.from_numpy(split.target_adapt.X[:2])
         n_adapt = int(len(split.target_adapt.y))
         importance = source_importance(model, split, ex, args.seed, target)
+        scorer = validation_scorer(args, ds, target) if "validated" in selections else None
         for mi, method in enumerate(methods):
             bdir = fold / f"m{mi}"
+            choice = None
             try:
-                if mi < len(budgets):
-                    manifest, _ = export_bundle_at(model, ex, bdir / "bundle", lr=args.lr, budget=budgets[mi],
+                if mi < len(budget_rows):
+                    bi, sel = budget_rows[mi]
+                    policy = None
+                    if sel == "validated":
+                        choice = validated_choice(model, ex, budgets[bi], scorer, importance, n_adapt, args.loso_batch)
+                        policy = choice.chosen.policy
+                    manifest, _ = export_bundle_at(model, ex, bdir / "bundle", lr=args.lr, budget=budgets[bi],
                                                    n_windows=n_adapt, batch_windows=args.loso_batch,
-                                                   importance=importance)
+                                                   importance=importance, policy=policy)
                 else:
                     spec = METHODS[method].policy_for("cnn")
                     manifest, _ = export_bundle_at(model, ex, bdir / "bundle", lr=args.lr, policy=spec,
@@ -605,7 +620,10 @@ def loso_sweep(args, work: Path, on_fold=None) -> dict[str, Any]:
                 continue
             plan = plan_summary(manifest.get("plan") or {})
             rows.append({"subject": target, "method": method, "accuracy": rep["accuracy"],
-                         "budget_bytes": budgets[mi] if mi < len(budgets) else None,
+                         "budget_bytes": budgets[budget_rows[mi][0]] if mi < len(budget_rows) else None,
+                         **({} if choice is None else {"selected": choice.chosen.label,
+                                                       "validated_gain": choice.chosen.score,
+                                                       "validation": choice.to_dict()}),
                          "trainable_numel": manifest_trainable(manifest), **plan,
                          **{k: rep.get(k) for k in ("call_peak_bytes", "call_peak_anon_bytes", "step_peak_bytes",
                                                     "step_peak_anon_bytes", "adapt_time_s")}})
@@ -619,6 +637,36 @@ def loso_sweep(args, work: Path, on_fold=None) -> dict[str, Any]:
         if on_fold is not None:
             on_fold(result)
     return result
+
+
+def budget_method(budget: int, selection: str, requested: str) -> str:
+    """A budget row's name: ``budget 1.2 MiB``, with the selection named when both are compared."""
+    name = f"budget {format_bytes(budget)}"
+    return name if requested != "both" or selection == "validated" else f"{name}, importance only"
+
+
+def validation_scorer(args, ds, target: int):
+    """Scores candidate updates on ``VALIDATION_SUBJECTS`` source subjects of the fold (never the
+    target), adapting with this sweep's recipe."""
+    from edgeadapt.harness.validated_selection import FinetuneRecipe, InnerSubjectScorer
+
+    recipe = FinetuneRecipe(lr=args.lr, weight_decay=WEIGHT_DECAY, epochs=args.loso_epochs,
+                            batch_windows=args.loso_batch, seed=args.seed)
+    return InnerSubjectScorer(ds.subset(ds.subject != target), "cnn", recipe, k_per_class=args.k_per_class,
+                              pretrain_epochs=args.pretrain_epochs, validation_subjects=VALIDATION_SUBJECTS,
+                              seed=args.seed, salt=target)
+
+
+def validated_choice(model, example, budget: int, scorer, importance, n_windows: int, batch_windows: int):
+    """The update validated on source subjects (``choose_update``) for ``budget``, planned with the
+    constants the exporter plans with."""
+    from edgeadapt.export import plan_cost
+    from edgeadapt.export.planning import model_graph
+    from edgeadapt.harness.validated_selection import choose_update
+
+    graph, weights = model_graph(model, example, "frozen")
+    return choose_update(graph, budget, scorer, importance=importance, weights=weights, n_windows=n_windows,
+                         batch_windows=batch_windows, optimizer="adamw", cost=plan_cost())
 
 
 def source_importance(model, split, example, seed: int, target: int, n_windows: int = IMPORTANCE_WINDOWS):
@@ -669,6 +717,33 @@ def loso_summary(rows: list[dict[str, Any]], methods: list[str], eager: dict[str
     return out
 
 
+def _selection_lines(cfg: dict[str, Any], lo: dict[str, Any]) -> list[str]:
+    """How the budget rows chose what trains, and (validated) what each budget picked over the folds."""
+    importance = (f"`export_bundle(memory_budget=B)` on each fold's pretrained CNN, the planner choosing what trains "
+                  f"by importance measured on {IMPORTANCE_WINDOWS} labelled source-subject windows of the fold "
+                  "(empirical Fisher)")
+    validated = (f"what trains is validated on {VALIDATION_SUBJECTS} source subjects of each fold (never the target; "
+                 "`edgeadapt.harness.validated_selection`): every candidate that fits B (one module, the last "
+                 "layer plus one module or a quarter of its channels, every module from one on, the importance "
+                 "selection at B, B/2, B/4, B/8) is adapted in torch with this recipe on each validation subject, "
+                 "and the largest mean accuracy gain wins; then `export_bundle(memory_budget=B, policy=chosen)`")
+    sel = cfg.get("selection", "importance")
+    text = {"importance": f"Budget rows: {importance}.",
+            "validated": f"Budget rows: {validated}.",
+            "both": f"Budget rows: {validated}. Rows marked 'importance only': {importance}."}[sel]
+    picks: dict[str, dict[str, int]] = {}
+    for r in lo["rows"]:
+        if r.get("selected"):
+            picks.setdefault(r["method"], {}).setdefault(r["selected"], 0)
+            picks[r["method"]][r["selected"]] += 1
+    lines = [text, ""]
+    if picks:
+        lines += ["Validated picks (folds): " + "; ".join(
+            f"{m}: " + ", ".join(f"{k} x{n}" for k, n in sorted(c.items(), key=lambda kv: -kv[1]))
+            for m, c in picks.items()) + ".", ""]
+    return lines
+
+
 def loso_markdown(res: dict[str, Any]) -> str:
     cfg, lo = res["config"], res["loso"]
     e = lo["torch_eager"]
@@ -682,10 +757,8 @@ def loso_markdown(res: dict[str, Any]) -> str:
         "",
         f"Command: `{res['command']}`",
         "",
-        "Budget rows: `export_bundle(memory_budget=B)` on each fold's pretrained CNN, the planner choosing what trains "
-        f"by importance measured on {IMPORTANCE_WINDOWS} labelled source-subject windows of the fold "
-        "(empirical Fisher); "
-        "preset rows: hand-written policies (no budget). Each adaptation ran in a fresh torch-free process; memory = "
+        *_selection_lines(cfg, lo),
+        "Preset rows: hand-written policies (no budget). Each adaptation ran in a fresh torch-free process; memory = "
         "median over subjects of the measured whole adapt call over the loaded runner (total VmHWM delta / anon "
         "RssAnon). Torch eager full fine-tuning, same batch and epochs, whole loop: "
         f"{format_bytes(e['call_peak_bytes'])} "
@@ -809,6 +882,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loso-batch", type=int, default=16)
     p.add_argument("--loso-epochs", type=int, default=40)
     p.add_argument("--pretrain-epochs", type=int, default=15)
+    p.add_argument("--selection", choices=("validated", "importance", "both"), default="validated",
+                   help="part 3's budget rows: what trains is validated on source subjects (default), the "
+                        "planner's importance selection alone, or both rows per budget")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     p.add_argument("--tag", default="", help="suffix of the output file names")
     p.add_argument("-v", "--verbose", action="store_true")

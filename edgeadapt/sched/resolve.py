@@ -30,8 +30,8 @@ from .ir import Graph, Param
 from .plan import Mode, ParamPlan, Plan
 from .policy import Rule, UpdatePolicy
 
-__all__ = ["resolve_channels", "resolve_params", "resolve_param_list", "plan_from_policy", "policy_of_plan",
-           "first_trained_op", "cut_of", "trained_bytes", "last_layer_modules", "resolve_last_layer"]
+__all__ = ["module_pattern", "resolve_channels", "resolve_params", "resolve_param_list", "plan_from_policy",
+           "policy_of_plan", "first_trained_op", "cut_of", "trained_bytes", "last_layer_modules", "resolve_last_layer"]
 
 
 def resolve_channels(rule: Rule, module_path: str, weight: np.ndarray | None,
@@ -129,7 +129,7 @@ def _local_name(param: Param) -> str:
     return param.name.rsplit(".", 1)[-1]
 
 
-def _pattern_of(module: str) -> str:
+def module_pattern(module: str) -> str:
     """An ``fnmatch`` pattern matching exactly the module path ``module``."""
     return "".join(f"[{c}]" if c in "*?[" else c for c in module)
 
@@ -148,7 +148,7 @@ def policy_of_plan(graph: Graph, plan: Plan) -> UpdatePolicy:
         by_module[param.module].append((param, pp))
     rules = []
     for module, members in by_module.items():
-        pattern = _pattern_of(module)
+        pattern = module_pattern(module)
         trained = [(p, pp) for p, pp in members if pp.trains]
         if not trained:
             continue
@@ -201,7 +201,7 @@ def resolve_last_layer(graph: Graph, policy: UpdatePolicy) -> UpdatePolicy:
         return policy
     modules = last_layer_modules(graph)
     if len(modules) == 1:
-        return policy.with_last_layer(_pattern_of(modules[0]))
+        return policy.with_last_layer(module_pattern(modules[0]))
     if not modules:
         raise ValueError(f"the last-layer policy finds no parameter of {graph.name!r} on the way back from its "
                          f"output; name the layer to train, e.g. --policy 'NAME=full' (a module path)")

@@ -1,0 +1,253 @@
+"""What trains under a budget, chosen by what adapting it gains on source subjects.
+
+The planner's own selection maximises the summed importance (empirical Fisher) of the units it
+trains. That sum keeps growing with the budget, while accuracy on a new person does not: with a
+few dozen windows, training more layers over-fits, and the layers with the largest Fisher on
+the source data (often the first convolutions) are not the ones worth training. Here the
+choice is validated instead, never on the target:
+
+1. **candidates**: the structured policies of :mod:`edgeadapt.sched.candidates` (one module,
+   the last layer plus one module or a fraction of its channels, every module from one on)
+   and the planner's importance selections at the budget and at halvings of it;
+2. **fit**: each candidate is fitted to the budget by the planner
+   (:func:`edgeadapt.sched.plan_for_budget` with the policy); the ones that do not fit drop out;
+3. **score**: leave-one-source-subject-out. A few source subjects, chosen with the seed, each
+   play the new subject once: a model pretrained on the other source subjects is adapted
+   with the candidate (torch, the device's recipe: frozen BatchNorm, AdamW, the same epochs,
+   batch and learning rate) on ``k_per_class`` of that subject's windows per class, and its
+   accuracy on the subject's other windows, minus the unadapted model's, is the gain;
+4. **choice**: the candidate with the largest mean gain; ties go to the smaller predicted peak.
+
+Scores depend on the policy only, so one :class:`InnerSubjectScorer` serves every budget of a
+fold.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..datasets import WindowDataset
+from ..sched import NoFeasiblePlan, Plan, UpdatePolicy, plan_for_budget, policy_of_plan
+from ..sched.candidates import structured_policies
+from ..sched.cost import CostModel
+from ..sched.ir import Graph
+from .study import make_split, pretrain_source
+
+__all__ = ["FinetuneRecipe", "finetune", "InnerSubjectScorer", "CandidateResult", "Choice", "choose_update"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FinetuneRecipe:
+    """How a candidate is adapted when it is scored: the device's recipe, in torch.
+
+    Attributes:
+        lr: AdamW learning rate.
+        weight_decay: AdamW (decoupled) weight decay.
+        epochs: passes over the adaptation windows.
+        batch_windows: windows per optimizer step.
+        seed: seeds the window order of every epoch.
+    """
+
+    lr: float
+    weight_decay: float
+    epochs: int
+    batch_windows: int
+    seed: int = 0
+
+
+def finetune(model, policy: UpdatePolicy, X: np.ndarray, y: np.ndarray, recipe: FinetuneRecipe):
+    """A copy of ``model`` with frozen BatchNorm, adapted with ``policy`` (channel subsets
+    train their slice alone, as on the device) on windows ``X`` with labels ``y``; eval mode."""
+    import torch
+
+    from ..export.prepare import prepare_model
+
+    prepared = prepare_model(model, policy, "frozen")
+    module = prepared.module.eval()
+    # The trained tensors: a whole parameter, or a channel-split one's trained slice.
+    trained = {e.onnx_names.get("trained", e.onnx_names.get("value")) for e in prepared.entries if e.trainable_numel}
+    params = []
+    for name, p in module.named_parameters():
+        p.requires_grad_(name in trained)
+        if name in trained:
+            params.append(p)
+    opt = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=recipe.weight_decay)
+    Xt, yt = torch.from_numpy(np.ascontiguousarray(X, dtype=np.float32)), torch.from_numpy(np.asarray(y, np.int64))
+    for epoch in range(recipe.epochs):
+        order = torch.from_numpy(np.random.default_rng([recipe.seed, epoch]).permutation(len(yt)))
+        for start in range(0, len(yt), recipe.batch_windows):
+            idx = order[start:start + recipe.batch_windows]
+            loss = torch.nn.functional.cross_entropy(module(Xt[idx]), yt[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+    return module
+
+
+def _policy_key(policy: UpdatePolicy) -> str:
+    return json.dumps(policy.to_dict(), sort_keys=True)
+
+
+@dataclass
+class InnerSubjectScorer:
+    """Mean accuracy gain of adapting with a policy, over source subjects playing the new one.
+
+    Attributes:
+        source: the labelled source windows (the target subject already removed), not normalised.
+        model_name: the reference model (:func:`edgeadapt.models.build_model`) pretrained per
+            validation subject.
+        recipe: how candidates are adapted.
+        k_per_class: adaptation windows per class of a validation subject.
+        pretrain_epochs: epochs of each validation model's pretraining.
+        validation_subjects: how many source subjects play the new one.
+        seed: picks the validation subjects (with ``salt``) and seeds pretraining.
+        salt: mixed into the pick (e.g. the outer target subject), so folds differ.
+    """
+
+    source: WindowDataset
+    model_name: str
+    recipe: FinetuneRecipe
+    k_per_class: int
+    pretrain_epochs: int
+    validation_subjects: int = 3
+    seed: int = 0
+    salt: int = 0
+    _folds: list | None = field(default=None, init=False, repr=False)
+    _cache: dict = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.validation_subjects < 1:
+            raise ValueError(f"validation_subjects must be >= 1, got {self.validation_subjects}")
+        if len(self.source.subjects) < 2:
+            raise ValueError("scoring on source subjects needs at least 2 of them; "
+                             f"the source holds {len(self.source.subjects)}")
+
+    @property
+    def subjects(self) -> tuple[int, ...]:
+        """The source subjects that play the new one."""
+        rng = np.random.default_rng([self.seed, self.salt])
+        n = min(self.validation_subjects, len(self.source.subjects) - 1)
+        return tuple(sorted(int(s) for s in rng.choice(self.source.subjects, size=n, replace=False)))
+
+    def _prepared_folds(self) -> list:
+        """Per validation subject: (pretrained model, adapt windows, eval windows, unadapted accuracy)."""
+        if self._folds is None:
+            from ..export.pretrain import accuracy
+
+            self._folds = []
+            for s in self.subjects:
+                split = make_split(self.source, s, self.k_per_class, self.seed)
+                model = pretrain_source(self.model_name, split, epochs=self.pretrain_epochs, seed=self.seed)
+                ev = split.target_eval
+                self._folds.append((model, split.target_adapt, ev, accuracy(model, ev.X, ev.y)))
+                log.info("validation subject %d pretrained (unadapted accuracy %.3f)", s, self._folds[-1][3])
+        return self._folds
+
+    def gains(self, policy: UpdatePolicy) -> tuple[float, ...]:
+        """Accuracy gain (fraction) of adapting with ``policy``, per validation subject."""
+        key = _policy_key(policy)
+        if key not in self._cache:
+            from ..export.pretrain import accuracy
+
+            out = []
+            for model, ad, ev, before in self._prepared_folds():
+                adapted = finetune(model, policy, ad.X, ad.y, self.recipe)
+                out.append(accuracy(adapted, ev.X, ev.y) - before)
+            self._cache[key] = tuple(out)
+        return self._cache[key]
+
+    def score(self, policy: UpdatePolicy) -> float:
+        """Mean accuracy gain (fraction) over the validation subjects."""
+        return float(np.mean(self.gains(policy)))
+
+
+@dataclass(frozen=True)
+class CandidateResult:
+    """One candidate at one budget: ``plan`` is ``None`` when it does not fit (then unscored)."""
+
+    label: str
+    policy: UpdatePolicy
+    plan: Plan | None
+    gains: tuple[float, ...] | None
+
+    @property
+    def score(self) -> float | None:
+        return None if self.gains is None else float(np.mean(self.gains))
+
+    @property
+    def predicted_peak_bytes(self) -> int | None:
+        return None if self.plan is None else self.plan.predicted.peak_bytes
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The chosen candidate and every candidate considered at the budget."""
+
+    budget_bytes: int
+    chosen: CandidateResult
+    candidates: tuple[CandidateResult, ...]
+
+    def to_dict(self) -> dict:
+        return {"budget_bytes": self.budget_bytes, "chosen": self.chosen.label, "score": self.chosen.score,
+                "candidates": [{"label": c.label, "fits": c.plan is not None, "score": c.score,
+                                "gains": None if c.gains is None else list(c.gains),
+                                "predicted_peak_bytes": c.predicted_peak_bytes} for c in self.candidates]}
+
+
+def _importance_candidates(graph: Graph, budget: int, halvings: int, plan_kwargs: dict) -> dict[str, UpdatePolicy]:
+    """The planner's importance selections at ``budget / 2**i``, ``i = 0..halvings``, as policies.
+
+    Raises:
+        NoFeasiblePlan: nothing fits ``budget`` itself (with the smallest budget that would).
+    """
+    out = {"importance@1/1": policy_of_plan(graph, plan_for_budget(graph, budget, **plan_kwargs))}
+    for i in range(1, halvings + 1):
+        try:
+            plan = plan_for_budget(graph, budget >> i, **plan_kwargs)
+        except NoFeasiblePlan:
+            break
+        out[f"importance@1/{2 ** i}"] = policy_of_plan(graph, plan)
+    return out
+
+
+def choose_update(graph: Graph, budget_bytes: int, scorer: InnerSubjectScorer, *, importance: dict | None,
+                  weights: dict[str, np.ndarray], n_windows: int, batch_windows: int, optimizer: str = "adamw",
+                  cost: CostModel | None = None, halvings: int = 3, channel_ratio: float = 0.25) -> Choice:
+    """The candidate (module docstring) with the largest validated gain among those that fit.
+
+    Args:
+        graph: the model's IR (``weights``: its parameter arrays, for channel ratios).
+        budget_bytes: the whole ``adapt`` call's budget.
+        scorer: scores a policy on source subjects.
+        importance: the planner's importance (per parameter) for its own selections.
+        n_windows, batch_windows, optimizer, cost: as for :func:`edgeadapt.sched.plan_for_budget`.
+        halvings: the planner's selection is also tried at the budget halved this many times.
+        channel_ratio: fraction of channels of the ``last+M@R`` candidates.
+
+    Raises:
+        NoFeasiblePlan: no candidate fits the budget.
+    """
+    common = dict(n_windows=n_windows, batch_windows=batch_windows, optimizer=optimizer, cost=cost)
+    policies = {**_importance_candidates(graph, budget_bytes, halvings, {**common, "importance": importance}),
+                **structured_policies(graph, channel_ratio)}
+    results = []
+    for label, policy in policies.items():
+        try:
+            plan = plan_for_budget(graph, budget_bytes, policy=policy, weights=weights, **common)
+        except NoFeasiblePlan:
+            results.append(CandidateResult(label, policy, None, None))
+            continue
+        results.append(CandidateResult(label, policy, plan, scorer.gains(policy)))
+    fitting = [r for r in results if r.plan is not None]
+    if not fitting:  # the importance selection at the budget itself fitted above
+        raise RuntimeError("internal: the planner's own selection does not fit its budget as a policy")
+    best = max(fitting, key=lambda r: (round(r.score, 9), -r.predicted_peak_bytes))
+    log.info("budget %d: chose %s (gain %+.3f) among %d fitting candidates of %d", budget_bytes, best.label,
+             best.score, len(fitting), len(results))
+    return Choice(budget_bytes, best, tuple(results))

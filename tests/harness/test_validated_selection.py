@@ -1,0 +1,106 @@
+"""The validated selection: torch adaptation of a candidate, the scorer on source subjects, the choice."""
+
+import numpy as np
+import pytest
+import torch
+
+from edgeadapt.datasets import SyntheticConfig, make_synthetic
+from edgeadapt.export.planning import model_graph
+from edgeadapt.harness.validated_selection import (FinetuneRecipe, InnerSubjectScorer, choose_update, finetune)
+from edgeadapt.models import build_model
+from edgeadapt.sched import NoFeasiblePlan, UpdatePolicy, minimum_budget
+from edgeadapt.sched.resolve import resolve_params
+
+RECIPE = FinetuneRecipe(lr=1e-2, weight_decay=0.01, epochs=2, batch_windows=8)
+
+
+def _model():
+    torch.manual_seed(0)
+    return build_model("cnn", 3, 4, 32).eval()
+
+
+def _data(n=16):
+    rng = np.random.default_rng(1)
+    return rng.standard_normal((n, 3, 32)).astype(np.float32), rng.integers(0, 4, n)
+
+
+def test_finetune_changes_only_what_the_policy_trains():
+    model = _model()
+    X, y = _data()
+    policy = UpdatePolicy.parse("head=full,blocks.2.conv=channels:0.25")
+    adapted = finetune(model, policy, X, y, RECIPE)
+    before = model.state_dict()
+    after = {n: p.detach() for n, p in adapted.named_parameters()}
+    # The channel-split weight is rebuilt from its trained and frozen slices.
+    w = adapted.blocks[2].conv.weight.detach()
+    changed = ~torch.isclose(w, before["blocks.2.conv.weight"], rtol=0, atol=0).flatten(1).all(dim=1)
+    assert int(changed.sum()) == int(np.ceil(0.25 * w.shape[0]))
+    assert not torch.equal(after["head.weight"], before["head.weight"])
+    for name in ("blocks.0.conv.weight", "blocks.1.conv.weight", "blocks.3.conv.weight"):
+        assert torch.equal(after[name], before[name]), name
+    assert all(torch.equal(p, before[n]) for n, p in model.state_dict().items())  # the model itself untouched
+
+
+class _Scorer:
+    """Gains by what a policy trains: 0.05 per trained module, except that ``favourite`` alone scores 0.5."""
+
+    def __init__(self, graph, favourite):
+        self.graph, self.favourite, self.calls = graph, favourite, []
+
+    def gains(self, policy):
+        weights = {p.name: np.ones(p.shape) for p in self.graph.params}
+        modules = {self.graph.param(pp.name).module for pp in resolve_params(self.graph, policy, weights) if pp.trains}
+        self.calls.append(modules)
+        return (0.5,) if modules == {self.favourite} else (0.05 * len(modules),)
+
+
+def _graph():
+    model = _model()
+    graph, weights = model_graph(model, torch.zeros(2, 3, 32), "frozen")
+    return graph, weights
+
+
+def test_the_best_scoring_candidate_that_fits_wins():
+    graph, weights = _graph()
+    kwargs = dict(importance=None, weights=weights, n_windows=16, batch_windows=8)
+    low = minimum_budget(graph, n_windows=16, batch_windows=8)
+    scorer = _Scorer(graph, "blocks.1.conv")
+    choice = choose_update(graph, 64 << 20, scorer, **kwargs)
+    assert choice.chosen.label == "only:blocks.1.conv" and choice.chosen.score == 0.5
+    assert choice.chosen.predicted_peak_bytes <= 64 << 20
+    # At the least budget only small candidates fit; the others are listed unscored.
+    small = choose_update(graph, low, scorer, **kwargs)
+    assert small.chosen.plan is not None and small.chosen.predicted_peak_bytes <= low
+    unfit = [c for c in small.candidates if c.plan is None]
+    assert unfit and all(c.gains is None for c in unfit)
+    assert small.chosen.score == max(c.score for c in small.candidates if c.plan is not None)
+    assert small.to_dict()["chosen"] == small.chosen.label
+    with pytest.raises(NoFeasiblePlan):
+        choose_update(graph, low // 4, scorer, **kwargs)
+
+
+def test_ties_go_to_the_smaller_peak():
+    graph, weights = _graph()
+
+    class Flat:
+        def gains(self, policy):
+            return (0.1,)
+
+    choice = choose_update(graph, 64 << 20, Flat(), importance=None, weights=weights, n_windows=16, batch_windows=8)
+    fitting = [c for c in choice.candidates if c.plan is not None]
+    assert choice.chosen.predicted_peak_bytes == min(c.predicted_peak_bytes for c in fitting)
+
+
+def test_scorer_adapts_on_source_subjects_only_and_caches():
+    ds = make_synthetic(SyntheticConfig(n_subjects=3, windows_per_subject=40, n_time_steps=64))
+    source = ds.subset(ds.subject != 2)
+    scorer = InnerSubjectScorer(source, "cnn", RECIPE, k_per_class=2, pretrain_epochs=1, validation_subjects=1,
+                                seed=0, salt=2)
+    assert len(scorer.subjects) == 1 and scorer.subjects[0] in (0, 1)
+    head = UpdatePolicy.parse("head=full")
+    gains = scorer.gains(head)
+    assert len(gains) == 1 and -1.0 <= gains[0] <= 1.0
+    assert scorer.gains(UpdatePolicy.parse("head=full")) is gains  # cached by the policy's content
+    assert scorer.score(head) == pytest.approx(gains[0])
+    with pytest.raises(ValueError, match="at least 2"):
+        InnerSubjectScorer(ds.subset(ds.subject == 0), "cnn", RECIPE, k_per_class=2, pretrain_epochs=1)
