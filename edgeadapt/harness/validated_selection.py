@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -35,7 +37,7 @@ from ..sched import NoFeasiblePlan, Plan, UpdatePolicy, plan_for_budget, policy_
 from ..sched.candidates import structured_policies
 from ..sched.cost import CostModel
 from ..sched.ir import Graph
-from .study import make_split, pretrain_source
+from .study import SplitData, make_split, pretrain_source
 
 __all__ = ["FinetuneRecipe", "finetune", "InnerSubjectScorer", "CandidateResult", "Choice", "choose_update"]
 
@@ -100,21 +102,24 @@ class InnerSubjectScorer:
 
     Attributes:
         source: the labelled source windows (the target subject already removed), not normalised.
-        model_name: the reference model (:func:`edgeadapt.models.build_model`) pretrained per
-            validation subject.
+        pretrain: how a validation subject's model is made: a reference model's name
+            (:func:`edgeadapt.models.build_model`, pretrained by :func:`.study.pretrain_source`
+            with ``pretrain_epochs``), or a function taking the :class:`.study.SplitData` of a
+            validation subject (its ``source_train`` normalised) and returning the model trained
+            on it, as the user's own training code would.
         recipe: how candidates are adapted.
         k_per_class: adaptation windows per class of a validation subject.
-        pretrain_epochs: epochs of each validation model's pretraining.
+        pretrain_epochs: epochs of each validation model's pretraining (a reference model name only).
         validation_subjects: how many source subjects play the new one.
         seed: picks the validation subjects (with ``salt``) and seeds pretraining.
         salt: mixed into the pick (e.g. the outer target subject), so folds differ.
     """
 
     source: WindowDataset
-    model_name: str
+    pretrain: str | Callable[[SplitData], Any]
     recipe: FinetuneRecipe
     k_per_class: int
-    pretrain_epochs: int
+    pretrain_epochs: int = 15
     validation_subjects: int = 3
     seed: int = 0
     salt: int = 0
@@ -143,7 +148,8 @@ class InnerSubjectScorer:
             self._folds = []
             for s in self.subjects:
                 split = make_split(self.source, s, self.k_per_class, self.seed)
-                model = pretrain_source(self.model_name, split, epochs=self.pretrain_epochs, seed=self.seed)
+                model = (pretrain_source(self.pretrain, split, epochs=self.pretrain_epochs, seed=self.seed)
+                         if isinstance(self.pretrain, str) else self.pretrain(split).eval())
                 ev = split.target_eval
                 self._folds.append((model, split.target_adapt, ev, accuracy(model, ev.X, ev.y)))
                 log.info("validation subject %d pretrained (unadapted accuracy %.3f)", s, self._folds[-1][3])

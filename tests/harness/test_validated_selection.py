@@ -104,3 +104,19 @@ def test_scorer_adapts_on_source_subjects_only_and_caches():
     assert scorer.score(head) == pytest.approx(gains[0])
     with pytest.raises(ValueError, match="at least 2"):
         InnerSubjectScorer(ds.subset(ds.subject == 0), "cnn", RECIPE, k_per_class=2, pretrain_epochs=1)
+
+
+def test_scorer_takes_the_users_own_training_function():
+    ds = make_synthetic(SyntheticConfig(n_subjects=3, windows_per_subject=40, n_time_steps=64))
+    seen = []
+
+    def pretrain(split):
+        seen.append((sorted(set(split.source_train.subject.tolist())), split.target_subject))
+        torch.manual_seed(0)
+        return build_model("cnn", split.source_train.X.shape[1], ds.n_classes, split.source_train.X.shape[2])
+
+    scorer = InnerSubjectScorer(ds.subset(ds.subject != 0), pretrain, RECIPE, k_per_class=2, validation_subjects=1)
+    scorer.score(UpdatePolicy.parse("head=full"))
+    scorer.score(UpdatePolicy.parse("blocks.3.conv=full"))
+    (subjects, held_out), = seen  # trained once, on the source subjects other than the one held out
+    assert held_out in (1, 2) and subjects == [s for s in (1, 2) if s != held_out]
