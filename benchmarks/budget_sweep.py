@@ -658,15 +658,11 @@ def validation_scorer(args, ds, target: int):
 
 
 def validated_choice(model, example, budget: int, scorer, importance, n_windows: int, batch_windows: int):
-    """The update validated on source subjects (``choose_update``) for ``budget``, planned with the
-    constants the exporter plans with."""
-    from edgeadapt.export import plan_cost
-    from edgeadapt.export.planning import model_graph
-    from edgeadapt.harness.validated_selection import choose_update
+    """The update validated on source subjects for ``budget`` (``choose_update_for_model``)."""
+    from edgeadapt.harness.validated_selection import choose_update_for_model
 
-    graph, weights = model_graph(model, example, "frozen")
-    return choose_update(graph, budget, scorer, importance=importance, weights=weights, n_windows=n_windows,
-                         batch_windows=batch_windows, optimizer="adamw", cost=plan_cost())
+    return choose_update_for_model(model, example, budget, scorer, n_windows=n_windows, batch_windows=batch_windows,
+                                   importance=importance)
 
 
 def source_importance(model, split, example, seed: int, target: int, n_windows: int = IMPORTANCE_WINDOWS):

@@ -39,7 +39,8 @@ from ..sched.cost import CostModel
 from ..sched.ir import Graph
 from .study import SplitData, make_split, pretrain_source
 
-__all__ = ["FinetuneRecipe", "finetune", "InnerSubjectScorer", "CandidateResult", "Choice", "choose_update"]
+__all__ = ["FinetuneRecipe", "finetune", "InnerSubjectScorer", "CandidateResult", "Choice", "choose_update",
+           "choose_update_for_model"]
 
 log = logging.getLogger(__name__)
 
@@ -257,3 +258,17 @@ def choose_update(graph: Graph, budget_bytes: int, scorer: InnerSubjectScorer, *
     log.info("budget %d: chose %s (gain %+.3f) among %d fitting candidates of %d", budget_bytes, best.label,
              best.score, len(fitting), len(results))
     return Choice(budget_bytes, best, tuple(results))
+
+
+def choose_update_for_model(model, example_input, budget_bytes: int, scorer: InnerSubjectScorer, *,
+                            n_windows: int, batch_windows: int, importance: dict | None = None,
+                            optimizer: str = "adamw", backend: str = "auto", **kwargs) -> Choice:
+    """:func:`choose_update` for a torch model as :func:`edgeadapt.export.export_bundle` plans it
+    (frozen BatchNorm, the cost constants of the engines ``backend`` writes); export the choice with
+    ``export_bundle(model, example_input, out, memory_budget=budget_bytes, policy=choice.chosen.policy)``."""
+    from ..export import plan_cost
+    from ..export.planning import model_graph
+
+    graph, weights = model_graph(model, example_input, "frozen")
+    return choose_update(graph, budget_bytes, scorer, importance=importance, weights=weights, n_windows=n_windows,
+                         batch_windows=batch_windows, optimizer=optimizer, cost=plan_cost(backend), **kwargs)

@@ -120,3 +120,23 @@ def test_scorer_takes_the_users_own_training_function():
     scorer.score(UpdatePolicy.parse("blocks.3.conv=full"))
     (subjects, held_out), = seen  # trained once, on the source subjects other than the one held out
     assert held_out in (1, 2) and subjects == [s for s in (1, 2) if s != held_out]
+
+
+def test_the_choice_exports_within_its_budget(tmp_path):
+    import json
+
+    from edgeadapt.export import export_bundle
+    from edgeadapt.harness.validated_selection import choose_update_for_model
+
+    model, example = _model(), torch.zeros(2, 3, 32)
+    graph, _ = _graph()
+    budget = 3 * minimum_budget(graph, n_windows=16, batch_windows=8)
+    choice = choose_update_for_model(model, example, budget, _Scorer(graph, "blocks.3.bn"), n_windows=16,
+                                     batch_windows=8)
+    assert choice.chosen.label == "only:blocks.3.bn"
+    export_bundle(model, example, tmp_path / "b", memory_budget=budget, policy=choice.chosen.policy,
+                  n_windows=16, batch_windows=8)
+    plan = json.loads((tmp_path / "b" / "manifest.json").read_text())["plan"]
+    trained = {p["name"] for p in plan["params"] if p["mode"] != "frozen"}
+    assert trained == {"blocks.3.bn.weight", "blocks.3.bn.bias"}
+    assert plan["predicted"]["peak_bytes"] <= budget
