@@ -654,7 +654,7 @@ def validation_scorer(args, ds, target: int):
                             batch_windows=args.loso_batch, seed=args.seed)
     return InnerSubjectScorer(ds.subset(ds.subject != target), "cnn", recipe, k_per_class=args.k_per_class,
                               pretrain_epochs=args.pretrain_epochs, validation_subjects=VALIDATION_SUBJECTS,
-                              seed=args.seed, salt=target)
+                              seed=args.seed, target_subject=target)
 
 
 def validated_choice(model, example, budget: int, scorer, importance, n_windows: int, batch_windows: int):

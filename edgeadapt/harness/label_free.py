@@ -72,12 +72,10 @@ def select_label_free_settings(ds, target_subject: int, model_name: str, *, work
     """
     from ..runtime import Runner
     from ..runtime.unlabeled import UnlabeledSettings
-    from .study import export_method, make_split, pretrain_source
+    from .study import export_method, make_split, pick_validation_subjects, pretrain_source
 
     source = ds.subset(ds.subject != target_subject)
-    rng = np.random.default_rng([seed, target_subject])
-    chosen = sorted(int(s) for s in rng.choice(source.subjects, size=min(validation_subjects, len(source.subjects) - 1),
-                                                replace=False))
+    chosen = pick_validation_subjects(source, validation_subjects, seed, target_subject)
     gains: list[list[float]] = [[] for _ in grid]
     for v in chosen:
         split = make_split(source, v, k_per_class, seed)

@@ -22,7 +22,7 @@ from ..datasets import ChannelNormalizer, WindowDataset, few_shot_split, label_s
 __all__ = ["Method", "METHODS", "ALL_METHODS", "LABEL_FREE", "FIXED_LR", "LR_GRID", "PRETRAIN_THREADS",
            "SplitData", "make_split", "sparse_policy", "method_recipe", "pinned_torch", "pretrain_source",
            "per_subject_accuracy", "save_target_data", "export_method", "run_method", "LrSelection",
-           "select_learning_rates"]
+           "pick_validation_subjects", "select_learning_rates"]
 
 log = logging.getLogger(__name__)
 
@@ -348,6 +348,14 @@ class LrSelection:
     validation_subjects: tuple[int, ...]
 
 
+def pick_validation_subjects(source: WindowDataset, n: int, seed: int, target_subject: int) -> list[int]:
+    """The ``n`` source subjects (at most all but one) that play the new subject in turn when a
+    setting is chosen on source subjects; a seeded choice that differs between folds."""
+    rng = np.random.default_rng([seed, target_subject])
+    size = min(n, len(source.subjects) - 1)
+    return sorted(int(s) for s in rng.choice(source.subjects, size=size, replace=False))
+
+
 def select_learning_rates(ds: WindowDataset, target_subject: int, methods: list[str], model_name: str, *,
                           workdir: Path, validation_subjects: int = 2, grid: tuple[float, ...] = LR_GRID,
                           k_per_class: int, epochs: int, pretrain_epochs: int, batch_size: int = 16,
@@ -368,9 +376,7 @@ def select_learning_rates(ds: WindowDataset, target_subject: int, methods: list[
 
     trained = [m for m in methods if METHODS[m].trains]
     source = ds.subset(ds.subject != target_subject)
-    rng = np.random.default_rng([seed, target_subject])
-    chosen = sorted(int(s) for s in rng.choice(source.subjects, size=min(validation_subjects, len(source.subjects) - 1),
-                                                replace=False))
+    chosen = pick_validation_subjects(source, validation_subjects, seed, target_subject)
     acc: dict[str, list[list[float]]] = {m: [[] for _ in grid] for m in trained}
     for v in chosen:
         split = make_split(source, v, k_per_class, seed)

@@ -37,7 +37,7 @@ from ..sched import NoFeasiblePlan, Plan, UpdatePolicy, plan_for_budget, policy_
 from ..sched.candidates import structured_policies
 from ..sched.cost import CostModel
 from ..sched.ir import Graph
-from .study import SplitData, make_split, pretrain_source
+from .study import SplitData, make_split, pick_validation_subjects, pretrain_source
 
 __all__ = ["FinetuneRecipe", "finetune", "InnerSubjectScorer", "CandidateResult", "Choice", "choose_update",
            "choose_update_for_model"]
@@ -112,8 +112,9 @@ class InnerSubjectScorer:
         k_per_class: adaptation windows per class of a validation subject.
         pretrain_epochs: epochs of each validation model's pretraining (a reference model name only).
         validation_subjects: how many source subjects play the new one.
-        seed: picks the validation subjects (with ``salt``) and seeds pretraining.
-        salt: mixed into the pick (e.g. the outer target subject), so folds differ.
+        seed: picks the validation subjects (with ``target_subject``) and seeds pretraining.
+        target_subject: the fold's held-out subject (already removed from ``source``): mixed into
+            the pick, which is then the one the study's other source-subject choices make.
     """
 
     source: WindowDataset
@@ -123,7 +124,7 @@ class InnerSubjectScorer:
     pretrain_epochs: int = 15
     validation_subjects: int = 3
     seed: int = 0
-    salt: int = 0
+    target_subject: int = 0
     _folds: list | None = field(default=None, init=False, repr=False)
     _cache: dict = field(default_factory=dict, init=False, repr=False)
 
@@ -137,9 +138,7 @@ class InnerSubjectScorer:
     @property
     def subjects(self) -> tuple[int, ...]:
         """The source subjects that play the new one."""
-        rng = np.random.default_rng([self.seed, self.salt])
-        n = min(self.validation_subjects, len(self.source.subjects) - 1)
-        return tuple(sorted(int(s) for s in rng.choice(self.source.subjects, size=n, replace=False)))
+        return tuple(pick_validation_subjects(self.source, self.validation_subjects, self.seed, self.target_subject))
 
     def _prepared_folds(self) -> list:
         """Per validation subject: (pretrained model, adapt windows, eval windows, unadapted accuracy)."""

@@ -95,7 +95,7 @@ def test_scorer_adapts_on_source_subjects_only_and_caches():
     ds = make_synthetic(SyntheticConfig(n_subjects=3, windows_per_subject=40, n_time_steps=64))
     source = ds.subset(ds.subject != 2)
     scorer = InnerSubjectScorer(source, "cnn", RECIPE, k_per_class=2, pretrain_epochs=1, validation_subjects=1,
-                                seed=0, salt=2)
+                                seed=0, target_subject=2)
     assert len(scorer.subjects) == 1 and scorer.subjects[0] in (0, 1)
     head = UpdatePolicy.parse("head=full")
     gains = scorer.gains(head)
