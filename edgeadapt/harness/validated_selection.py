@@ -16,7 +16,9 @@ choice is validated instead, never on the target:
    with the candidate (torch, the device's recipe: frozen BatchNorm, AdamW, the same epochs,
    batch and learning rate) on ``k_per_class`` of that subject's windows per class, and its
    accuracy on the subject's other windows, minus the unadapted model's, is the gain;
-4. **choice**: the candidate with the largest mean gain; ties go to the smaller predicted peak.
+4. **choice**: the candidate with the largest mean gain, unless one with a smaller predicted peak
+   is within one standard error of it (the paired difference over the validation subjects):
+   then the smallest such one. A gain within the noise of a few subjects is not worth memory.
 
 Scores depend on the policy only, so one :class:`InnerSubjectScorer` serves every budget of a
 fold.
@@ -206,6 +208,21 @@ class Choice:
                                 "predicted_peak_bytes": c.predicted_peak_bytes} for c in self.candidates]}
 
 
+def _worth_its_memory(fitting: list[CandidateResult], tolerance_se: float) -> CandidateResult:
+    """The candidate with the smallest predicted peak among those whose mean gain the best one's
+    does not exceed by more than ``tolerance_se`` standard errors of the paired difference (per
+    validation subject): a difference within the noise of a few subjects buys no memory."""
+    best = max(fitting, key=lambda r: (round(r.score, 9), -r.predicted_peak_bytes))
+    ref = np.asarray(best.gains)
+
+    def within(r: CandidateResult) -> bool:
+        d = np.asarray(r.gains) - ref
+        se = float(d.std(ddof=1) / np.sqrt(d.size)) if d.size > 1 else 0.0
+        return float(d.mean()) >= -tolerance_se * se - 1e-12
+
+    return min((r for r in fitting if within(r)), key=lambda r: (r.predicted_peak_bytes, -r.score))
+
+
 def _importance_candidates(graph: Graph, budget: int, halvings: int, plan_kwargs: dict) -> dict[str, UpdatePolicy]:
     """The planner's importance selections at ``budget / 2**i``, ``i = 0..halvings``, as policies.
 
@@ -224,7 +241,8 @@ def _importance_candidates(graph: Graph, budget: int, halvings: int, plan_kwargs
 
 def choose_update(graph: Graph, budget_bytes: int, scorer: InnerSubjectScorer, *, importance: dict | None,
                   weights: dict[str, np.ndarray], n_windows: int, batch_windows: int, optimizer: str = "adamw",
-                  cost: CostModel | None = None, halvings: int = 3, channel_ratio: float = 0.25) -> Choice:
+                  cost: CostModel | None = None, halvings: int = 3, channel_ratio: float = 0.25,
+                  tolerance_se: float = 1.0) -> Choice:
     """The candidate (module docstring) with the largest validated gain among those that fit.
 
     Args:
@@ -235,6 +253,9 @@ def choose_update(graph: Graph, budget_bytes: int, scorer: InnerSubjectScorer, *
         n_windows, batch_windows, optimizer, cost: as for :func:`edgeadapt.sched.plan_for_budget`.
         halvings: the planner's selection is also tried at the budget halved this many times.
         channel_ratio: fraction of channels of the ``last+M@R`` candidates.
+        tolerance_se: candidates whose mean gain is within this many standard errors of the
+            best one's count as equally good, and the one with the smallest predicted peak
+            among them is chosen (0: the best mean gain, ties to the smaller peak).
 
     Raises:
         NoFeasiblePlan: no candidate fits the budget.
@@ -253,7 +274,7 @@ def choose_update(graph: Graph, budget_bytes: int, scorer: InnerSubjectScorer, *
     fitting = [r for r in results if r.plan is not None]
     if not fitting:  # the importance selection at the budget itself fitted above
         raise RuntimeError("internal: the planner's own selection does not fit its budget as a policy")
-    best = max(fitting, key=lambda r: (round(r.score, 9), -r.predicted_peak_bytes))
+    best = _worth_its_memory(fitting, tolerance_se)
     log.info("budget %d: chose %s (gain %+.3f) among %d fitting candidates of %d", budget_bytes, best.label,
              best.score, len(fitting), len(results))
     return Choice(budget_bytes, best, tuple(results))

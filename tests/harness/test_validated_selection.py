@@ -140,3 +140,26 @@ def test_the_choice_exports_within_its_budget(tmp_path):
     trained = {p["name"] for p in plan["params"] if p["mode"] != "frozen"}
     assert trained == {"blocks.3.bn.weight", "blocks.3.bn.bias"}
     assert plan["predicted"]["peak_bytes"] <= budget
+
+
+def test_a_gain_within_the_noise_buys_no_memory():
+    graph, weights = _graph()
+
+    class TwoSubjects:
+        """The whole model gains most; one module alone a little less, within one standard error."""
+
+        def gains(self, policy):
+            weights_ = {p.name: np.ones(p.shape) for p in graph.params}
+            n = sum(pp.trains for pp in resolve_params(graph, policy, weights_))
+            if n == len(graph.params):
+                return (0.30, 0.10)
+            if policy.rules and policy.rules[0].pattern == "blocks.3.bn" and len(policy.rules) == 1:
+                return (0.10, 0.20)  # mean 0.15 vs 0.20; paired difference (-0.2, +0.1): se 0.15
+            return (0.0, 0.0)
+
+    kwargs = dict(importance=None, weights=weights, n_windows=16, batch_windows=8)
+    noisy = choose_update(graph, 64 << 20, TwoSubjects(), **kwargs)
+    assert noisy.chosen.label == "only:blocks.3.bn"
+    strict = choose_update(graph, 64 << 20, TwoSubjects(), tolerance_se=0.0, **kwargs)
+    assert strict.chosen.score == pytest.approx(0.20)
+    assert strict.chosen.predicted_peak_bytes > noisy.chosen.predicted_peak_bytes
