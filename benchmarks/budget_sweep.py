@@ -723,7 +723,8 @@ def _selection_lines(cfg: dict[str, Any], lo: dict[str, Any]) -> list[str]:
                  "layer plus one module or a quarter of its channels, every module from one on, the importance "
                  "selection at B, B/2, B/4, B/8) is adapted in torch with this recipe on each validation subject, "
                  "and the largest mean accuracy gain wins unless a candidate with a smaller predicted peak is "
-                 "within one standard error of it (paired over the validation subjects), then the smallest such; then `export_bundle(memory_budget=B, policy=chosen)`")
+                 "within one standard error of it (paired over the validation subjects), then the smallest such; "
+                 "then `export_bundle(memory_budget=B, policy=chosen)`")
     sel = cfg.get("selection", "importance")
     text = {"importance": f"Budget rows: {importance}.",
             "validated": f"Budget rows: {validated}.",
