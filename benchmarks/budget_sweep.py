@@ -551,6 +551,7 @@ def loso_sweep(args, work: Path, on_fold=None) -> dict[str, Any]:
     from edgeadapt.datasets import load_watch
     from edgeadapt.export.pretrain import accuracy
     from edgeadapt.harness.study import METHODS, make_split, pretrain_source, save_target_data
+    from edgeadapt.harness.validated_selection import choose_update_for_model
 
     ds = load_watch()
     subjects = [int(s) for s in ds.subjects]
@@ -601,7 +602,8 @@ def loso_sweep(args, work: Path, on_fold=None) -> dict[str, Any]:
                     bi, sel = budget_rows[mi]
                     policy = None
                     if sel == "validated":
-                        choice = validated_choice(model, ex, budgets[bi], scorer, importance, n_adapt, args.loso_batch)
+                        choice = choose_update_for_model(model, ex, budgets[bi], scorer, n_windows=n_adapt,
+                                                         batch_windows=args.loso_batch, importance=importance)
                         policy = choice.chosen.policy
                     manifest, _ = export_bundle_at(model, ex, bdir / "bundle", lr=args.lr, budget=budgets[bi],
                                                    n_windows=n_adapt, batch_windows=args.loso_batch,
@@ -654,15 +656,7 @@ def validation_scorer(args, ds, target: int):
                             batch_windows=args.loso_batch, seed=args.seed)
     return InnerSubjectScorer(ds.subset(ds.subject != target), "cnn", recipe, k_per_class=args.k_per_class,
                               pretrain_epochs=args.pretrain_epochs, validation_subjects=VALIDATION_SUBJECTS,
-                              seed=args.seed, target_subject=target)
-
-
-def validated_choice(model, example, budget: int, scorer, importance, n_windows: int, batch_windows: int):
-    """The update validated on source subjects for ``budget`` (``choose_update_for_model``)."""
-    from edgeadapt.harness.validated_selection import choose_update_for_model
-
-    return choose_update_for_model(model, example, budget, scorer, n_windows=n_windows, batch_windows=batch_windows,
-                                   importance=importance)
+                              seed=args.seed, target_subject=target, threads=args.threads)
 
 
 def source_importance(model, split, example, seed: int, target: int, n_windows: int = IMPORTANCE_WINDOWS):

@@ -72,14 +72,14 @@ def select_label_free_settings(ds, target_subject: int, model_name: str, *, work
     """
     from ..runtime import Runner
     from ..runtime.unlabeled import UnlabeledSettings
-    from .study import export_method, make_split, pick_validation_subjects, pretrain_source
+    from .study import export_method, validation_folds
 
     source = ds.subset(ds.subject != target_subject)
-    chosen = pick_validation_subjects(source, validation_subjects, seed, target_subject)
     gains: list[list[float]] = [[] for _ in grid]
-    for v in chosen:
-        split = make_split(source, v, k_per_class, seed)
-        model = pretrain_source(model_name, split, epochs=pretrain_epochs, seed=seed)
+    chosen = []
+    for v, split, model in validation_folds(source, target_subject, model_name, n=validation_subjects,
+                                            k_per_class=k_per_class, pretrain_epochs=pretrain_epochs, seed=seed):
+        chosen.append(v)
         ad, ev = split.target_adapt, split.target_eval
         bundle = workdir / f"select-label-free-{target_subject}-{v}"
         export_method("label-free", model, model_name, ad.X, bundle)

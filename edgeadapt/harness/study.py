@@ -22,7 +22,7 @@ from ..datasets import ChannelNormalizer, WindowDataset, few_shot_split, label_s
 __all__ = ["Method", "METHODS", "ALL_METHODS", "LABEL_FREE", "FIXED_LR", "LR_GRID", "PRETRAIN_THREADS",
            "SplitData", "make_split", "sparse_policy", "method_recipe", "pinned_torch", "pretrain_source",
            "per_subject_accuracy", "save_target_data", "export_method", "run_method", "LrSelection",
-           "pick_validation_subjects", "select_learning_rates"]
+           "pick_validation_subjects", "validation_folds", "select_learning_rates"]
 
 log = logging.getLogger(__name__)
 
@@ -356,6 +356,30 @@ def pick_validation_subjects(source: WindowDataset, n: int, seed: int, target_su
     return sorted(int(s) for s in rng.choice(source.subjects, size=size, replace=False))
 
 
+def validation_folds(source: WindowDataset, target_subject: int | None, pretrain, *, n: int, k_per_class: int,
+                     pretrain_epochs: int, seed: int) -> Iterator[tuple[int, SplitData, Any]]:
+    """Per validation subject (:func:`pick_validation_subjects`): the subject, its split of
+    ``source`` (the subject plays the new one) and a model pretrained on the other source
+    subjects, made one at a time.
+
+    ``pretrain``: a reference model's name (:func:`pretrain_source` with ``pretrain_epochs``) or
+    a function taking the split and returning the model trained on its ``source_train``.
+    ``target_subject``: the fold's held-out subject (``None``: no fold), mixed into the pick.
+
+    Raises:
+        ValueError: ``source`` still holds ``target_subject``'s windows.
+    """
+    if target_subject is not None and np.any(source.subject == target_subject):
+        raise ValueError(f"the source windows still hold subject {target_subject}, the fold's target; "
+                         "remove it first (ds.subset(ds.subject != target))")
+    salt = 0 if target_subject is None else target_subject
+    for v in pick_validation_subjects(source, n, seed, salt):
+        split = make_split(source, v, k_per_class, seed)
+        model = (pretrain_source(pretrain, split, epochs=pretrain_epochs, seed=seed) if isinstance(pretrain, str)
+                 else pretrain(split).eval())
+        yield v, split, model
+
+
 def select_learning_rates(ds: WindowDataset, target_subject: int, methods: list[str], model_name: str, *,
                           workdir: Path, validation_subjects: int = 2, grid: tuple[float, ...] = LR_GRID,
                           k_per_class: int, epochs: int, pretrain_epochs: int, batch_size: int = 16,
@@ -376,11 +400,11 @@ def select_learning_rates(ds: WindowDataset, target_subject: int, methods: list[
 
     trained = [m for m in methods if METHODS[m].trains]
     source = ds.subset(ds.subject != target_subject)
-    chosen = pick_validation_subjects(source, validation_subjects, seed, target_subject)
     acc: dict[str, list[list[float]]] = {m: [[] for _ in grid] for m in trained}
-    for v in chosen:
-        split = make_split(source, v, k_per_class, seed)
-        model = pretrain_source(model_name, split, epochs=pretrain_epochs, seed=seed)
+    chosen = []
+    for v, split, model in validation_folds(source, target_subject, model_name, n=validation_subjects,
+                                            k_per_class=k_per_class, pretrain_epochs=pretrain_epochs, seed=seed):
+        chosen.append(v)
         ad, ev = split.target_adapt, split.target_eval
         for m in trained:
             bundle = workdir / f"select-{target_subject}-{v}-{m}"

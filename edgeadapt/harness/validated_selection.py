@@ -26,6 +26,7 @@ fold.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 from collections.abc import Callable
@@ -35,11 +36,12 @@ from typing import Any
 import numpy as np
 
 from ..datasets import WindowDataset
-from ..sched import NoFeasiblePlan, Plan, UpdatePolicy, plan_for_budget, policy_of_plan
+from ..sched import Mode, NoFeasiblePlan, Plan, Rule, UpdatePolicy, plan_for_budget, policy_of_plan
 from ..sched.candidates import structured_policies
 from ..sched.cost import CostModel
 from ..sched.ir import Graph
-from .study import SplitData, make_split, pick_validation_subjects, pretrain_source
+from ..sched.resolve import resolve_params
+from .study import PRETRAIN_THREADS, SplitData, pick_validation_subjects, pinned_torch, validation_folds
 
 __all__ = ["FinetuneRecipe", "finetune", "InnerSubjectScorer", "CandidateResult", "Choice", "choose_update",
            "choose_update_for_model"]
@@ -67,8 +69,9 @@ class FinetuneRecipe:
 
 
 def finetune(model, policy: UpdatePolicy, X: np.ndarray, y: np.ndarray, recipe: FinetuneRecipe):
-    """A copy of ``model`` with frozen BatchNorm, adapted with ``policy`` (channel subsets
-    train their slice alone, as on the device) on windows ``X`` with labels ``y``; eval mode."""
+    """A copy of ``model`` with frozen BatchNorm, adapted with ``policy`` on windows ``X`` with
+    labels ``y`` as ``Runner.adapt`` (constant schedule) adapts a bundle exported with that policy:
+    channel subsets train their slice alone, AdamW, the same window order; eval mode."""
     import torch
 
     from ..export.prepare import prepare_model
@@ -85,7 +88,8 @@ def finetune(model, policy: UpdatePolicy, X: np.ndarray, y: np.ndarray, recipe: 
     opt = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=recipe.weight_decay)
     Xt, yt = torch.from_numpy(np.ascontiguousarray(X, dtype=np.float32)), torch.from_numpy(np.asarray(y, np.int64))
     for epoch in range(recipe.epochs):
-        order = torch.from_numpy(np.random.default_rng([recipe.seed, epoch]).permutation(len(yt)))
+        # Runner.adapt's window order (constant learning rate), so the score is what the device gets
+        order = torch.from_numpy(np.random.default_rng(recipe.seed + epoch).permutation(len(yt)))
         for start in range(0, len(yt), recipe.batch_windows):
             idx = order[start:start + recipe.batch_windows]
             loss = torch.nn.functional.cross_entropy(module(Xt[idx]), yt[idx])
@@ -115,8 +119,11 @@ class InnerSubjectScorer:
         pretrain_epochs: epochs of each validation model's pretraining (a reference model name only).
         validation_subjects: how many source subjects play the new one.
         seed: picks the validation subjects (with ``target_subject``) and seeds pretraining.
-        target_subject: the fold's held-out subject (already removed from ``source``): mixed into
-            the pick, which is then the one the study's other source-subject choices make.
+        target_subject: the fold's held-out subject, if any; ``source`` must not hold it (checked).
+            Mixed into the pick, which is then the one the study's other source-subject
+            choices make for that fold.
+        threads: torch intra-op threads of the adaptation runs (pinned, deterministic
+            algorithms), so that a score does not depend on the machine's core count.
     """
 
     source: WindowDataset
@@ -126,7 +133,8 @@ class InnerSubjectScorer:
     pretrain_epochs: int = 15
     validation_subjects: int = 3
     seed: int = 0
-    target_subject: int = 0
+    target_subject: int | None = None
+    threads: int = PRETRAIN_THREADS
     _folds: list | None = field(default=None, init=False, repr=False)
     _cache: dict = field(default_factory=dict, init=False, repr=False)
 
@@ -136,11 +144,15 @@ class InnerSubjectScorer:
         if len(self.source.subjects) < 2:
             raise ValueError("scoring on source subjects needs at least 2 of them; "
                              f"the source holds {len(self.source.subjects)}")
+        if self.target_subject is not None and np.any(self.source.subject == self.target_subject):
+            raise ValueError(f"the source windows hold subject {self.target_subject}, the fold's target: the choice "
+                             "would see the new subject; pass ds.subset(ds.subject != target)")
 
     @property
     def subjects(self) -> tuple[int, ...]:
         """The source subjects that play the new one."""
-        return tuple(pick_validation_subjects(self.source, self.validation_subjects, self.seed, self.target_subject))
+        salt = 0 if self.target_subject is None else self.target_subject
+        return tuple(pick_validation_subjects(self.source, self.validation_subjects, self.seed, salt))
 
     def _prepared_folds(self) -> list:
         """Per validation subject: (pretrained model, adapt windows, eval windows, unadapted accuracy)."""
@@ -148,13 +160,12 @@ class InnerSubjectScorer:
             from ..export.pretrain import accuracy
 
             self._folds = []
-            for s in self.subjects:
-                split = make_split(self.source, s, self.k_per_class, self.seed)
-                model = (pretrain_source(self.pretrain, split, epochs=self.pretrain_epochs, seed=self.seed)
-                         if isinstance(self.pretrain, str) else self.pretrain(split).eval())
+            for v, split, model in validation_folds(self.source, self.target_subject, self.pretrain,
+                                                    n=self.validation_subjects, k_per_class=self.k_per_class,
+                                                    pretrain_epochs=self.pretrain_epochs, seed=self.seed):
                 ev = split.target_eval
                 self._folds.append((model, split.target_adapt, ev, accuracy(model, ev.X, ev.y)))
-                log.info("validation subject %d pretrained (unadapted accuracy %.3f)", s, self._folds[-1][3])
+                log.info("validation subject %d pretrained (unadapted accuracy %.3f)", v, self._folds[-1][3])
         return self._folds
 
     def gains(self, policy: UpdatePolicy) -> tuple[float, ...]:
@@ -163,11 +174,11 @@ class InnerSubjectScorer:
         if key not in self._cache:
             from ..export.pretrain import accuracy
 
-            out = []
-            for model, ad, ev, before in self._prepared_folds():
-                adapted = finetune(model, policy, ad.X, ad.y, self.recipe)
-                out.append(accuracy(adapted, ev.X, ev.y) - before)
-            self._cache[key] = tuple(out)
+            folds = self._prepared_folds()
+            with pinned_torch(self.threads):
+                out = tuple(accuracy(finetune(model, policy, ad.X, ad.y, self.recipe), ev.X, ev.y) - before
+                            for model, ad, ev, before in folds)
+            self._cache[key] = out
         return self._cache[key]
 
     def score(self, policy: UpdatePolicy) -> float:
@@ -223,26 +234,40 @@ def _worth_its_memory(fitting: list[CandidateResult], tolerance_se: float) -> Ca
     return min((r for r in fitting if within(r)), key=lambda r: (r.predicted_peak_bytes, -r.score))
 
 
+def _as_ratio_rules(graph: Graph, policy: UpdatePolicy) -> UpdatePolicy:
+    """``policy`` with explicit channel indices replaced by the same number of channels picked by
+    weight magnitude, so that the policy means the same on every model it is scored on (the
+    indices the importance picked on one model are arbitrary channels of another)."""
+    rules = []
+    for r in policy.rules:
+        if r.mode is Mode.CHANNELS and r.indices is not None:
+            n_out = max(p.out_channels for p in graph.params if fnmatch.fnmatchcase(p.module, r.pattern))
+            # ceil(ratio * n_out) is exactly len(indices) (half a channel below it)
+            r = Rule(r.pattern, Mode.CHANNELS, ratio=(len(r.indices) - 0.5) / n_out, types=r.types, params=r.params)
+        rules.append(r)
+    return UpdatePolicy(tuple(rules), policy.default)
+
+
 def _importance_candidates(graph: Graph, budget: int, halvings: int, plan_kwargs: dict) -> dict[str, UpdatePolicy]:
-    """The planner's importance selections at ``budget / 2**i``, ``i = 0..halvings``, as policies.
+    """The planner's importance selections at ``budget / 2**i``, ``i = 0..halvings``, as policies
+    (channel subsets as counts, :func:`_as_ratio_rules`).
 
     Raises:
         NoFeasiblePlan: nothing fits ``budget`` itself (with the smallest budget that would).
     """
-    out = {"importance@1/1": policy_of_plan(graph, plan_for_budget(graph, budget, **plan_kwargs))}
+    out = {"importance@1/1": plan_for_budget(graph, budget, **plan_kwargs)}
     for i in range(1, halvings + 1):
         try:
-            plan = plan_for_budget(graph, budget >> i, **plan_kwargs)
+            out[f"importance@1/{2 ** i}"] = plan_for_budget(graph, budget >> i, **plan_kwargs)
         except NoFeasiblePlan:
             break
-        out[f"importance@1/{2 ** i}"] = policy_of_plan(graph, plan)
-    return out
+    return {label: _as_ratio_rules(graph, policy_of_plan(graph, plan)) for label, plan in out.items()}
 
 
 def choose_update(graph: Graph, budget_bytes: int, scorer: InnerSubjectScorer, *, importance: dict | None,
                   weights: dict[str, np.ndarray], n_windows: int, batch_windows: int, optimizer: str = "adamw",
-                  cost: CostModel | None = None, halvings: int = 3, channel_ratio: float = 0.25,
-                  tolerance_se: float = 1.0) -> Choice:
+                  cost: CostModel | None = None, recompute: bool = False, halvings: int = 3,
+                  channel_ratio: float = 0.25, tolerance_se: float = 1.0) -> Choice:
     """The candidate (module docstring) with the largest validated gain among those that fit.
 
     Args:
@@ -250,7 +275,10 @@ def choose_update(graph: Graph, budget_bytes: int, scorer: InnerSubjectScorer, *
         budget_bytes: the whole ``adapt`` call's budget.
         scorer: scores a policy on source subjects.
         importance: the planner's importance (per parameter) for its own selections.
-        n_windows, batch_windows, optimizer, cost: as for :func:`edgeadapt.sched.plan_for_budget`.
+        n_windows, batch_windows, cost: as for :func:`edgeadapt.sched.plan_for_budget`.
+        optimizer: ``"adamw"``, the optimizer candidates are scored with.
+        recompute: candidates may fit by recomputing activations; give the export the same value
+            (``export_bundle(..., recompute=...)``), or a chosen candidate may not fit there.
         halvings: the planner's selection is also tried at the budget halved this many times.
         channel_ratio: fraction of channels of the ``last+M@R`` candidates.
         tolerance_se: candidates whose mean gain is within this many standard errors of the
@@ -259,12 +287,21 @@ def choose_update(graph: Graph, budget_bytes: int, scorer: InnerSubjectScorer, *
 
     Raises:
         NoFeasiblePlan: no candidate fits the budget.
+        ValueError: an optimizer other than AdamW.
     """
-    common = dict(n_windows=n_windows, batch_windows=batch_windows, optimizer=optimizer, cost=cost)
+    if optimizer != "adamw":
+        raise ValueError(f"candidates are scored with AdamW (FinetuneRecipe); plan with optimizer='adamw', "
+                         f"not {optimizer!r}")
+    common = dict(n_windows=n_windows, batch_windows=batch_windows, optimizer=optimizer, cost=cost,
+                  allow_remat=recompute)
     policies = {**_importance_candidates(graph, budget_bytes, halvings, {**common, "importance": importance}),
                 **structured_policies(graph, channel_ratio)}
-    results = []
+    results, seen = [], set()
     for label, policy in policies.items():
+        trained = frozenset((pp.name, pp.channels) for pp in resolve_params(graph, policy, weights) if pp.trains)
+        if trained in seen:  # trains what an earlier candidate trains: scored once
+            continue
+        seen.add(trained)
         try:
             plan = plan_for_budget(graph, budget_bytes, policy=policy, weights=weights, **common)
         except NoFeasiblePlan:
@@ -282,13 +319,21 @@ def choose_update(graph: Graph, budget_bytes: int, scorer: InnerSubjectScorer, *
 
 def choose_update_for_model(model, example_input, budget_bytes: int, scorer: InnerSubjectScorer, *,
                             n_windows: int, batch_windows: int, importance: dict | None = None,
-                            optimizer: str = "adamw", backend: str = "auto", **kwargs) -> Choice:
-    """:func:`choose_update` for a torch model as :func:`edgeadapt.export.export_bundle` plans it
-    (frozen BatchNorm, the cost constants of the engines ``backend`` writes); export the choice with
-    ``export_bundle(model, example_input, out, memory_budget=budget_bytes, policy=choice.chosen.policy)``."""
+                            backend: str = "auto", recompute: bool = False, **kwargs) -> Choice:
+    """:func:`choose_update` for a torch model as :func:`edgeadapt.export.export_bundle` plans it:
+    frozen BatchNorm, the cost constants of the engines ``backend`` writes, recompute only when
+    asked, and (``importance=None``) the importance the exporter measures on the example. Export
+    the choice with ``export_bundle(model, example_input, out, memory_budget=budget_bytes,
+    policy=choice.chosen.policy, recompute=recompute, backend=backend)``."""
     from ..export import plan_cost
+    from ..export.importance import measure_importance
     from ..export.planning import model_graph
 
+    from ..export.exporter import resolve_backends
+
     graph, weights = model_graph(model, example_input, "frozen")
+    recompute = recompute and "ort-training" in resolve_backends(backend)  # as the exporter decides
+    if importance is None:
+        importance = measure_importance(model, example_input, graph)
     return choose_update(graph, budget_bytes, scorer, importance=importance, weights=weights, n_windows=n_windows,
-                         batch_windows=batch_windows, optimizer=optimizer, cost=plan_cost(backend), **kwargs)
+                         batch_windows=batch_windows, cost=plan_cost(backend), recompute=recompute, **kwargs)
