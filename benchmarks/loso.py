@@ -39,6 +39,12 @@ rows, learning-rate selections, summary; rewritten after every fold), ``.md`` (M
 and ``.png`` (two panels: mean accuracy with worst-subject markers, step and call peaks).
 Prints the table at the end.
 
+``--memory-budget B`` adds a budget method. What it trains is validated on
+``--selection-subjects`` source subjects of each fold (``--budget-selection validated``, the
+default; docs/scheduler.md): every candidate update that fits B is adapted with the study's
+recipe on each of them, and the best (or the smallest within one standard error of it) wins.
+``--budget-selection importance`` leaves the choice to the planner's importance selection.
+
 ``--target-shift`` applies a sensor shift to each held-out subject (covariate shift);
 ``--adapt-classes K`` makes the adaptation windows show only K of its classes, in recording
 order, as a user who adapts on a stretch of one or two activities has them (label shift: the
@@ -190,6 +196,15 @@ def _markdown(result: dict) -> str:
         )
     base = [s["median_loaded_rss_bytes"] for s in summ.values() if s["median_loaded_rss_bytes"]]
     host = result["host"]
+    picks: dict[str, dict[str, int]] = {}
+    for f in result["folds"]:
+        for m, c in f.get("budget_selection", {}).items():
+            picks.setdefault(m, {}).setdefault(c["chosen"], 0)
+            picks[m][c["chosen"]] += 1
+    if picks:  # what each budget method trained, validated on source subjects (folds per choice)
+        lines += ["", "Budget methods, what trains (validated on source subjects; folds): " + "; ".join(
+            f"{m}: " + ", ".join(f"{k} x{n}" for k, n in sorted(c.items(), key=lambda kv: -kv[1]))
+            for m, c in picks.items())]
     refused = [(f["subject"], m, why) for f in result["folds"] for m, why in f.get("refused", {}).items()]
     if refused:  # those subjects are missing from that method's row (its mean is over the others)
         lines += ["", "Exports refused (the method did not run for that subject; its row covers the others): "
@@ -272,6 +287,35 @@ def _positive(text: str) -> float:
     return value
 
 
+# Labelled source windows of a fold on which the importance of the planner's own candidates is measured.
+IMPORTANCE_WINDOWS = 128
+
+
+def validated_update(args, fold_ds: WindowDataset, target: int, model, split, method: str, lr: float):
+    """What budget ``method`` trains, validated on ``--selection-subjects`` source subjects of the
+    fold with this study's adaptation recipe (docs/scheduler.md). Only source windows are read:
+    the importance of the planner's candidates is measured on labelled source windows."""
+    import numpy as np
+    import torch
+
+    from edgeadapt.export.importance import measure_importance
+    from edgeadapt.harness.validated_selection import FinetuneRecipe, InnerSubjectScorer, choose_update_for_model
+
+    recipe = FinetuneRecipe(lr=lr if lr > 0 else FIXED_LR, weight_decay=0.01, epochs=args.epochs, batch_windows=16,
+                            seed=args.seed)
+    scorer = InnerSubjectScorer(fold_ds.subset(fold_ds.subject != target), args.model, recipe,
+                                k_per_class=args.k_per_class, pretrain_epochs=args.pretrain_epochs,
+                                validation_subjects=args.selection_subjects, seed=args.seed, target_subject=target,
+                                threads=args.threads)
+    src = split.source_train
+    idx = np.sort(np.random.default_rng([args.seed, target]).choice(len(src.y), size=min(IMPORTANCE_WINDOWS,
+                                                                                          len(src.y)), replace=False))
+    importance = measure_importance(model, torch.from_numpy(src.X[idx]), labels=torch.from_numpy(src.y[idx]),
+                                    batch_windows=32, max_batches=-(-len(idx) // 32))
+    return choose_update_for_model(model, torch.from_numpy(src.X[:2]), METHODS[method].memory_budget, scorer,
+                                   n_windows=len(split.target_adapt.y), batch_windows=16, importance=importance)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -292,6 +336,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory-budget", metavar="BYTES",
                    help="also run a budget method: the planner picks what trains within this budget per adapt call "
                         "(bytes or e.g. 256KiB)")
+    p.add_argument("--budget-selection", choices=("validated", "importance"), default="validated",
+                   help="what a --memory-budget method trains: validated on source subjects (default; "
+                        "edgeadapt.harness.validated_selection) or the planner's importance selection")
+    p.add_argument("--selection-subjects", type=int, default=5,
+                   help="source subjects the validated selection scores its candidates on (default 5)")
     p.add_argument("--target-shift", choices=SHIFTS, default=None,
                    help="a sensor shift applied to each held-out subject's windows (datasets/shifts.py)")
     p.add_argument("--adapt-classes", type=int, default=None, metavar="K",
@@ -394,10 +443,19 @@ def main(argv: list[str] | None = None) -> int:
                                              for m, v in label_free.items()}}
             reports = {}
             target_data = save_target_data(split, Path(work))
+            chosen = {}
+            if args.budget_selection == "validated":
+                for m in (m for m in methods if METHODS[m].memory_budget is not None):
+                    t0 = time.perf_counter()
+                    choice = validated_update(args, fold_ds, target, model, split, m, lrs[m])
+                    chosen[m] = choice.chosen.policy
+                    fold.setdefault("budget_selection", {})[m] = choice.to_dict()
+                    print(f"  [{i + 1}/{len(subjects)}] subject {target}: {m} trains {choice.chosen.label} (chosen on "
+                          f"source subjects in {time.perf_counter() - t0:.0f} s)", flush=True)
             for m in methods:
                 try:
                     r = run_method(m, model, args.model, split, target_data, Path(work) / m, epochs=args.epochs,
-                                   lr=lrs[m], seed=args.seed, threads=args.threads,
+                                   lr=lrs[m], seed=args.seed, threads=args.threads, policy=chosen.get(m),
                                    unlabeled=label_free[m].settings if m in label_free else None)
                 except (SelfCheckError, UnsupportedOpError, BudgetExceeded) as e:
                     # the export refused this subject's bundle: the method does not run for it (no row)

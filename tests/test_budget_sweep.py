@@ -112,3 +112,54 @@ def test_study_budget_method_exports_the_planners_choice(tmp_path):
         assert any(p["mode"] != "frozen" for p in plan["params"])
     finally:
         study.METHODS.pop(name, None)
+
+
+def test_study_budget_method_fits_a_given_policy(tmp_path):
+    """A budget method given a policy (the validated choice) exports that policy within its budget."""
+    import numpy as np
+    import torch
+
+    from edgeadapt.export import UpdatePolicy
+    from edgeadapt.harness import study
+    from edgeadapt.models import build_model
+
+    name = study.budget_method("900KiB")
+    try:
+        torch.manual_seed(0)
+        model = build_model("cnn", 6, 7, 100).eval()
+        X = np.random.default_rng(0).standard_normal((21, 6, 100)).astype(np.float32)
+        recipe = study.export_method(name, model, "cnn", X, tmp_path / "bundle", batch_windows=8,
+                                     policy=UpdatePolicy.parse("head=full,blocks.3.bn=full"))
+        plan = json.loads((tmp_path / "bundle" / "manifest.json").read_text())["plan"]
+        assert recipe["policy"].startswith("planned within 900KiB: ")
+        assert {p["name"] for p in plan["params"] if p["mode"] != "frozen"} == {
+            "head.weight", "head.bias", "blocks.3.bn.weight", "blocks.3.bn.bias"}
+        assert plan["budget_bytes"] == 900 * 1024 and 0 < plan["predicted_peak_bytes"] <= 900 * 1024
+    finally:
+        study.METHODS.pop(name, None)
+
+
+def test_loso_budget_method_is_chosen_on_source_subjects():
+    import argparse
+
+    import torch
+
+    from edgeadapt.datasets import SyntheticConfig, make_synthetic
+    from edgeadapt.harness import study
+    from helpers import load_benchmark
+
+    loso = load_benchmark("loso")
+    ds = make_synthetic(SyntheticConfig(n_subjects=3, windows_per_subject=40, n_time_steps=64))
+    split = study.make_split(ds, 2, 2, 0)
+    torch.manual_seed(0)
+    model = study.pretrain_source("cnn", split, epochs=1, seed=0)
+    name = study.budget_method("2MiB")
+    try:
+        args = argparse.Namespace(epochs=1, k_per_class=2, pretrain_epochs=1, selection_subjects=1, seed=0,
+                                  threads=1, model="cnn")
+        choice = loso.validated_update(args, ds, 2, model, split, name, 3e-3)
+        assert choice.budget_bytes == 2 * 1024 * 1024
+        assert choice.chosen.plan is not None and choice.chosen.predicted_peak_bytes <= choice.budget_bytes
+        assert all(len(c.gains) == 1 for c in choice.candidates if c.plan is not None)
+    finally:
+        study.METHODS.pop(name, None)

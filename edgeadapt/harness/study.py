@@ -7,6 +7,7 @@ pretrain and export; every adaptation itself runs in a torch-free job process).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -266,14 +267,16 @@ def save_target_data(split: SplitData, directory: Path) -> tuple[Path, Path]:
 
 
 def export_method(method: str, model, model_name: str, example_X: np.ndarray, bundle: Path, *,
-                  lr: float = FIXED_LR, policy: str | None = None, batch_windows: int = 16,
+                  lr: float = FIXED_LR, policy=None, batch_windows: int = 16,
                   progress: bool = False) -> dict[str, Any]:
     """Export ``model`` as ``method``'s bundle at ``bundle``; returns the recipe used.
 
-    ``policy`` (an ``UpdatePolicy.parse`` spec) replaces the method's own policy; ``lr`` is the
-    bundle's default learning rate (the jobs pass their own). A method with a memory budget is
-    planned for ``len(example_X)`` adaptation windows in steps of ``batch_windows``. ``progress``:
-    the export's stages as a progress bar.
+    ``policy`` (an ``UpdatePolicy`` or its ``UpdatePolicy.parse`` spec) replaces the method's own
+    policy; ``lr`` is the bundle's default learning rate (the jobs pass their own). A method with
+    a memory budget is planned for ``len(example_X)`` adaptation windows in steps of
+    ``batch_windows``, the planner choosing what trains, or fitting ``policy`` (e.g. the
+    validated choice, :mod:`.validated_selection`) to the budget. ``progress``: the export's
+    stages as a progress bar.
     """
     import torch
 
@@ -281,16 +284,21 @@ def export_method(method: str, model, model_name: str, example_X: np.ndarray, bu
 
     recipe = method_recipe(method, model_name)
     budget = METHODS[method].memory_budget
-    if policy is None and budget is not None:
-        export_bundle(model, torch.from_numpy(example_X[:2]), bundle, memory_budget=budget,
+    # the recipe names a given policy by its spec, or by its JSON form
+    named = policy if isinstance(policy, str) or policy is None else json.dumps(policy.to_dict(), sort_keys=True)
+    if isinstance(policy, str):
+        policy = UpdatePolicy.parse(policy)
+    if budget is not None:
+        export_bundle(model, torch.from_numpy(example_X[:2]), bundle, memory_budget=budget, policy=policy,
                       n_windows=len(example_X), batch_windows=batch_windows, loss=recipe["loss"],
                       optimizer=OptimizerConfig("adamw", lr=lr, weight_decay=0.01), batchnorm=recipe["batchnorm"],
                       progress=progress)
-        recipe["policy"] = f"planned within {budget}"
+        recipe["policy"] = f"planned within {budget}" + ("" if named is None else f": {named}")
         return recipe
     if policy is not None:
-        recipe["policy"] = policy
-    export_bundle(model, torch.from_numpy(example_X[:2]), bundle, policy=UpdatePolicy.parse(recipe["policy"]),
+        recipe["policy"] = named
+    export_bundle(model, torch.from_numpy(example_X[:2]), bundle,
+                  policy=policy if policy is not None else UpdatePolicy.parse(recipe["policy"]),
                   loss=recipe["loss"], optimizer=OptimizerConfig("adamw", lr=lr, weight_decay=0.01),
                   batchnorm=recipe["batchnorm"], progress=progress)
     return recipe
@@ -298,14 +306,15 @@ def export_method(method: str, model, model_name: str, example_X: np.ndarray, bu
 
 def run_method(method: str, model, model_name: str, split: SplitData, target_data: tuple[Path, Path],
                workdir: Path, *, epochs: int, lr: float, batch_size: int = 16, seed: int = 0,
-               threads: int | None = None, policy: str | None = None, unlabeled: dict | None = None,
+               threads: int | None = None, policy=None, unlabeled: dict | None = None,
                progress: bool = False) -> dict:
     """Export ``model`` for ``method`` and adapt it to the target in a torch-free process.
 
     ``target_data`` are the files :func:`save_target_data` wrote for ``split``. ``lr`` is the
     adaptation learning rate (a method that does not train runs at 0; a label-free method with
     ``unlabeled`` settings adapts with those, or with ``unlabeled`` given here, chosen per fold). ``policy`` (an
-    ``UpdatePolicy.parse`` spec) replaces the method's own policy. ``threads``: the runner's
+    ``UpdatePolicy`` or its ``UpdatePolicy.parse`` spec) replaces the method's own policy (a budget
+    method fits it to its budget). ``threads``: the runner's
     intra-op threads. ``progress``: the export's stages as a progress bar. Returns the job
     report (accuracy before/after, step and call peaks, trainable elements, times) with the
     method, policy, loss, batchnorm and lr added.

@@ -41,6 +41,7 @@ from ..sched.candidates import structured_policies
 from ..sched.cost import CostModel
 from ..sched.ir import Graph
 from ..sched.resolve import resolve_params
+from ..units import parse_bytes
 from .study import PRETRAIN_THREADS, SplitData, pick_validation_subjects, pinned_torch, validation_folds
 
 __all__ = ["FinetuneRecipe", "finetune", "InnerSubjectScorer", "CandidateResult", "Choice", "choose_update",
@@ -264,7 +265,7 @@ def _importance_candidates(graph: Graph, budget: int, halvings: int, plan_kwargs
     return {label: _as_ratio_rules(graph, policy_of_plan(graph, plan)) for label, plan in out.items()}
 
 
-def choose_update(graph: Graph, budget_bytes: int, scorer: InnerSubjectScorer, *, importance: dict | None,
+def choose_update(graph: Graph, budget_bytes: int | str, scorer: InnerSubjectScorer, *, importance: dict | None,
                   weights: dict[str, np.ndarray], n_windows: int, batch_windows: int, optimizer: str = "adamw",
                   cost: CostModel | None = None, recompute: bool = False, halvings: int = 3,
                   channel_ratio: float = 0.25, tolerance_se: float = 1.0) -> Choice:
@@ -272,7 +273,7 @@ def choose_update(graph: Graph, budget_bytes: int, scorer: InnerSubjectScorer, *
 
     Args:
         graph: the model's IR (``weights``: its parameter arrays, for channel ratios).
-        budget_bytes: the whole ``adapt`` call's budget.
+        budget_bytes: the whole ``adapt`` call's budget (bytes, or a string such as ``"600KiB"``).
         scorer: scores a policy on source subjects.
         importance: the planner's importance (per parameter) for its own selections.
         n_windows, batch_windows, cost: as for :func:`edgeadapt.sched.plan_for_budget`.
@@ -289,6 +290,7 @@ def choose_update(graph: Graph, budget_bytes: int, scorer: InnerSubjectScorer, *
         NoFeasiblePlan: no candidate fits the budget.
         ValueError: an optimizer other than AdamW.
     """
+    budget_bytes = parse_bytes(budget_bytes)
     if optimizer != "adamw":
         raise ValueError(f"candidates are scored with AdamW (FinetuneRecipe); plan with optimizer='adamw', "
                          f"not {optimizer!r}")
@@ -317,7 +319,7 @@ def choose_update(graph: Graph, budget_bytes: int, scorer: InnerSubjectScorer, *
     return Choice(budget_bytes, best, tuple(results))
 
 
-def choose_update_for_model(model, example_input, budget_bytes: int, scorer: InnerSubjectScorer, *,
+def choose_update_for_model(model, example_input, budget_bytes: int | str, scorer: InnerSubjectScorer, *,
                             n_windows: int, batch_windows: int, importance: dict | None = None,
                             backend: str = "auto", recompute: bool = False, **kwargs) -> Choice:
     """:func:`choose_update` for a torch model as :func:`edgeadapt.export.export_bundle` plans it:
