@@ -73,6 +73,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from edgeadapt.harness.budget_check import budget_ladder  # noqa: E402  (after the path setup)
+from edgeadapt.harness.validated_selection import IMPORTANCE_WINDOWS  # noqa: E402
 from edgeadapt.units import format_bytes  # noqa: E402
 
 log = logging.getLogger("budget_sweep")
@@ -83,8 +84,6 @@ PRESETS = ("last-layer", "bias-norm", "sparse", "full")
 # RssAnon sampling interval of the torch worker (the runner's AdaptResult samples every 1 ms too).
 ANON_INTERVAL_S = 0.001
 WEIGHT_DECAY = 0.01
-# Labelled source-subject windows per fold on which the planner's importance is measured.
-IMPORTANCE_WINDOWS = 128
 # Source subjects of each fold on which the validated selection scores its candidates.
 VALIDATION_SUBJECTS = 5
 
@@ -551,7 +550,7 @@ def loso_sweep(args, work: Path, on_fold=None) -> dict[str, Any]:
     from edgeadapt.datasets import load_watch
     from edgeadapt.export.pretrain import accuracy
     from edgeadapt.harness.study import METHODS, make_split, pretrain_source, save_target_data
-    from edgeadapt.harness.validated_selection import choose_update_for_model
+    from edgeadapt.harness.validated_selection import choose_update_for_model, source_importance
 
     ds = load_watch()
     subjects = [int(s) for s in ds.subjects]
@@ -592,7 +591,7 @@ def loso_sweep(args, work: Path, on_fold=None) -> dict[str, Any]:
         adapt_path, eval_path = save_target_data(split, fold)
         ex = torch.from_numpy(split.target_adapt.X[:2])
         n_adapt = int(len(split.target_adapt.y))
-        importance = source_importance(model, split, ex, args.seed, target)
+        importance = source_importance(model, ex, split.source_train, seed=args.seed, target_subject=target)
         scorer = validation_scorer(args, ds, target) if "validated" in selections else None
         for mi, method in enumerate(methods):
             bdir = fold / f"m{mi}"
@@ -657,24 +656,6 @@ def validation_scorer(args, ds, target: int):
     return InnerSubjectScorer(ds.subset(ds.subject != target), "cnn", recipe, k_per_class=args.k_per_class,
                               pretrain_epochs=args.pretrain_epochs, validation_subjects=VALIDATION_SUBJECTS,
                               seed=args.seed, target_subject=target, threads=args.threads)
-
-
-def source_importance(model, split, example, seed: int, target: int, n_windows: int = IMPORTANCE_WINDOWS):
-    """Empirical Fisher importance of ``model``'s parameters on ``n_windows`` labelled
-    source-subject training windows of the fold (seeded choice), for the planner's selection:
-    what trains under a budget is decided on source data only."""
-    import numpy as np
-    import torch
-
-    from edgeadapt.export.importance import measure_importance
-    from edgeadapt.export.planning import model_graph
-
-    graph, _ = model_graph(model, example, "frozen")
-    src = split.source_train
-    idx = np.sort(np.random.default_rng([seed, target]).choice(len(src.y), size=min(n_windows, len(src.y)),
-                                                                replace=False))
-    return measure_importance(model, torch.from_numpy(src.X[idx]), graph, labels=torch.from_numpy(src.y[idx]),
-                              batch_windows=32, max_batches=math.ceil(len(idx) / 32))
 
 
 def loso_summary(rows: list[dict[str, Any]], methods: list[str], eager: dict[str, Any]) -> dict[str, dict]:

@@ -287,19 +287,14 @@ def _positive(text: str) -> float:
     return value
 
 
-# Labelled source windows of a fold on which the importance of the planner's own candidates is measured.
-IMPORTANCE_WINDOWS = 128
-
-
 def validated_update(args, fold_ds: WindowDataset, target: int, model, split, method: str, lr: float):
     """What budget ``method`` trains, validated on ``--selection-subjects`` source subjects of the
     fold with this study's adaptation recipe (docs/scheduler.md). Only source windows are read:
     the importance of the planner's candidates is measured on labelled source windows."""
-    import numpy as np
     import torch
 
-    from edgeadapt.export.importance import measure_importance
-    from edgeadapt.harness.validated_selection import FinetuneRecipe, InnerSubjectScorer, choose_update_for_model
+    from edgeadapt.harness.validated_selection import (FinetuneRecipe, InnerSubjectScorer, choose_update_for_model,
+                                                       source_importance)
 
     recipe = FinetuneRecipe(lr=lr if lr > 0 else FIXED_LR, weight_decay=0.01, epochs=args.epochs, batch_windows=16,
                             seed=args.seed)
@@ -308,10 +303,7 @@ def validated_update(args, fold_ds: WindowDataset, target: int, model, split, me
                                 validation_subjects=args.selection_subjects, seed=args.seed, target_subject=target,
                                 threads=args.threads)
     src = split.source_train
-    idx = np.sort(np.random.default_rng([args.seed, target]).choice(len(src.y), size=min(IMPORTANCE_WINDOWS,
-                                                                                          len(src.y)), replace=False))
-    importance = measure_importance(model, torch.from_numpy(src.X[idx]), labels=torch.from_numpy(src.y[idx]),
-                                    batch_windows=32, max_batches=-(-len(idx) // 32))
+    importance = source_importance(model, torch.from_numpy(src.X[:2]), src, seed=args.seed, target_subject=target)
     return choose_update_for_model(model, torch.from_numpy(src.X[:2]), METHODS[method].memory_budget, scorer,
                                    n_windows=len(split.target_adapt.y), batch_windows=16, importance=importance)
 

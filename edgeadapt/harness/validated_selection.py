@@ -45,7 +45,7 @@ from ..units import parse_bytes
 from .study import PRETRAIN_THREADS, SplitData, pick_validation_subjects, pinned_torch, validation_folds
 
 __all__ = ["FinetuneRecipe", "finetune", "InnerSubjectScorer", "CandidateResult", "Choice", "choose_update",
-           "choose_update_for_model"]
+           "choose_update_for_model", "source_importance", "IMPORTANCE_WINDOWS"]
 
 log = logging.getLogger(__name__)
 
@@ -233,6 +233,27 @@ def _worth_its_memory(fitting: list[CandidateResult], tolerance_se: float) -> Ca
         return float(d.mean()) >= -tolerance_se * se - 1e-12
 
     return min((r for r in fitting if within(r)), key=lambda r: (r.predicted_peak_bytes, -r.score))
+
+
+# Labelled source windows on which the importance of the planner's own candidates is measured.
+IMPORTANCE_WINDOWS = 128
+
+
+def source_importance(model, example_input, source: WindowDataset, *, seed: int, target_subject: int,
+                      n_windows: int = IMPORTANCE_WINDOWS) -> dict:
+    """Empirical Fisher importance of ``model``'s parameters (``example_input``: its input shape)
+    on ``n_windows`` labelled windows of ``source`` (a seeded choice, ``[seed, target_subject]``),
+    for the planner's importance selection: decided on source data only."""
+    import torch
+
+    from ..export.importance import measure_importance
+    from ..export.planning import model_graph
+
+    graph, _ = model_graph(model, example_input, "frozen")
+    n = min(n_windows, len(source.y))
+    idx = np.sort(np.random.default_rng([seed, target_subject]).choice(len(source.y), size=n, replace=False))
+    return measure_importance(model, torch.from_numpy(source.X[idx]), graph, labels=torch.from_numpy(source.y[idx]),
+                              batch_windows=32, max_batches=-(-n // 32))
 
 
 def _as_ratio_rules(graph: Graph, policy: UpdatePolicy) -> UpdatePolicy:
