@@ -134,3 +134,30 @@ def test_adapt_with_diverging_loss_saves_last_good_state_and_exits_3(tmp_path, c
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert "rolled back to step 0" in proc.stderr and "saved to" in proc.stderr
     assert json.loads((tmp_path / "o" / "manifest.json").read_text())["state"]["step"] == 0
+
+
+def test_export_validates_the_update_on_labelled_subjects(tmp_path, capsys):
+    """--validate-on: what trains under the budget is chosen on the data file's subjects."""
+    from edgeadapt.datasets import SyntheticConfig, make_synthetic
+
+    ds = make_synthetic(SyntheticConfig(n_subjects=3, windows_per_subject=40, n_time_steps=64))
+    data = tmp_path / "source.npz"
+    np.savez(data, X=ds.X.transpose(0, 2, 1), y=ds.y, subject=ds.subject)  # files hold (windows, time, channels)
+    c = ds.X.shape[1]
+    factory_kwargs = json.dumps({"name": "cnn", "n_channels": c, "n_classes": int(ds.n_classes), "n_time_steps": 64})
+    args = ["export", "edgeadapt.models:build_model", "--factory-kwargs", factory_kwargs, "--input-shape", f"{c},64",
+            "--memory-budget", "3MiB", "--n-windows", "16", "--batch-windows", "8", "--no-progress",
+            "--validate-on", str(data), "--validate-subjects", "1", "--validate-k-per-class", "2",
+            "--validate-epochs", "1", "--validate-pretrain-epochs", "1"]
+    assert main([*args, "--out", str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "validated on subjects" in out and "chosen " in out
+    chosen = out.split("chosen ", 1)[1].split(" ", 1)[0]
+    plan = json.loads((tmp_path / "b" / "manifest.json").read_text())["plan"]
+    assert plan["budget_bytes"] == 3 * 2 ** 20 and plan["predicted_peak_bytes"] <= 3 * 2 ** 20
+    trained = {p["name"].rsplit(".", 1)[0] for p in plan["params"] if p["mode"] != "frozen"}
+    if chosen.startswith("only:"):
+        assert trained == {chosen[len("only:"):]}
+    # a policy and a validated choice exclude each other: one clear line, nothing exported
+    assert main([*args, "--policy", "head=full", "--out", str(tmp_path / "c")]) == 2
+    assert "--validate-on" in capsys.readouterr().err and not (tmp_path / "c").exists()

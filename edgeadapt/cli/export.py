@@ -25,6 +25,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     opt = OptimizerConfig(args.optimizer, lr=args.lr,
                           weight_decay=args.weight_decay if args.optimizer == "adamw" else 0.0)
     policy = UpdatePolicy.parse(args.policy) if args.policy else None
+    if args.validate_on:
+        policy = _validated_policy(args, model, example)
     manifest = export_bundle(model, example, args.out, policy=policy, loss=args.loss, optimizer=opt,
                              batchnorm=args.batchnorm, memory_budget=args.memory_budget, n_windows=args.n_windows,
                              batch_windows=args.batch_windows, recompute=args.recompute,
@@ -36,6 +38,53 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"predicted peak of an adapt call over {manifest.plan['n_windows']} windows: "
               f"{format_bytes(predicted)}{budget}; details: edgeadapt plan {args.out}")
     return 0
+
+
+def _validated_policy(args: argparse.Namespace, model, example):
+    """``--validate-on``: the update chosen under ``--memory-budget`` by what it gains on the data
+    file's subjects (docs/scheduler.md, "Validated selection"), each subject playing the new one
+    in turn with a model of the same factory trained on the others."""
+    import torch
+
+    from ..datasets import load_dataset
+    from ..export.pretrain import pretrain
+    from ..harness.validated_selection import (FinetuneRecipe, InnerSubjectScorer, choose_update_for_model,
+                                               source_importance)
+
+    if args.memory_budget is None or args.policy:
+        raise ValueError("--validate-on chooses what trains under --memory-budget: give --memory-budget and no "
+                         "--policy")
+    if args.loss != "cross_entropy" or args.optimizer != "adamw" or args.batchnorm != "frozen":
+        raise ValueError("--validate-on scores candidates with cross-entropy, AdamW and frozen BatchNorm; use "
+                         "--loss cross_entropy --optimizer adamw --batchnorm frozen (the defaults)")
+    ds = load_dataset(args.validate_on)
+    if list(ds.X.shape[1:]) != list(example.shape[1:]):
+        raise ValueError(f"--validate-on windows have shape {list(ds.X.shape[1:])}, the model takes "
+                         f"{list(example.shape[1:])} (--input-shape)")
+
+    def train(split):  # a fresh model of the same factory, trained on the other subjects
+        torch.manual_seed(args.validate_seed)
+        fresh = _build_model(args.model, args.factory_kwargs)
+        pretrain(fresh, split.source_train.X, split.source_train.y, epochs=args.validate_pretrain_epochs,
+                 batch_size=64, lr=3e-3, weight_decay=1e-2, seed=args.validate_seed)
+        return fresh
+
+    recipe = FinetuneRecipe(lr=args.lr, weight_decay=args.weight_decay, epochs=args.validate_epochs,
+                            batch_windows=args.batch_windows, seed=args.validate_seed)
+    scorer = InnerSubjectScorer(ds, train, recipe, k_per_class=args.validate_k_per_class,
+                                validation_subjects=args.validate_subjects, seed=args.validate_seed)
+    importance = source_importance(model, example, ds, seed=args.validate_seed, target_subject=0)
+    choice = choose_update_for_model(model, example, args.memory_budget, scorer, n_windows=args.n_windows,
+                                     batch_windows=args.batch_windows, importance=importance, backend=args.backend,
+                                     recompute=args.recompute)
+    fitting = sorted((c for c in choice.candidates if c.plan is not None), key=lambda c: -c.score)
+    chosen = choice.chosen
+    print(f"validated on subjects {list(scorer.subjects)} of {args.validate_on}: {len(fitting)} of "
+          f"{len(choice.candidates)} candidate updates fit {args.memory_budget}; chosen {chosen.label} "
+          f"(mean accuracy gain {chosen.score:+.3f}, predicted {format_bytes(chosen.predicted_peak_bytes)})")
+    for c in fitting[:5]:
+        print(f"  {c.label:<32} gain {c.score:+.3f}  predicted {format_bytes(c.predicted_peak_bytes)}")
+    return choice.chosen.policy
 
 
 def _input_shape(text: str) -> list[int]:
@@ -107,5 +156,19 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="training engines the bundle holds: portable (step graphs for stock onnxruntime), "
                         "ort-training (onnxruntime-training artifacts) or both; auto (default): both where "
                         "onnxruntime-training is installed, else portable")
+    v = p.add_argument_group("validated selection (with --memory-budget)",
+                             "choose what trains by what it gains on labelled subjects rather than by importance")
+    v.add_argument("--validate-on", metavar="DATA",
+                   help="labelled windows of several subjects (.npz/.csv as edgeadapt.datasets.load_dataset reads "
+                        "them, or 'synthetic'/'watch'), in the model's input shape: each of --validate-subjects "
+                        "subjects plays the new one, a model of the same factory trained on the others adapts with "
+                        "every candidate update that fits the budget, and the best gain wins")
+    v.add_argument("--validate-subjects", type=int, default=5, help="subjects that play the new one (default 5)")
+    v.add_argument("--validate-k-per-class", type=int, default=5,
+                   help="labelled windows per class a validation subject adapts on (default 5)")
+    v.add_argument("--validate-epochs", type=int, default=40, help="adaptation epochs of a candidate (default 40)")
+    v.add_argument("--validate-pretrain-epochs", type=int, default=15,
+                   help="epochs of each validation model's training (default 15)")
+    v.add_argument("--validate-seed", type=int, default=0)
     p.set_defaults(func=cmd_export, extra="server")
     return p
