@@ -344,8 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tag", default="", help="suffix of the output file names")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
-    if args.validation_subjects < 1 or args.threads < 1:
-        p.error("--validation-subjects and --threads must be >= 1")
+    if min(args.validation_subjects, args.selection_subjects, args.threads) < 1:
+        p.error("--validation-subjects, --selection-subjects and --threads must be >= 1")
     if args.adapt_classes is not None and args.adapt_classes < 1:
         p.error("--adapt-classes must be >= 1")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -439,7 +439,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.budget_selection == "validated":
                 for m in (m for m in methods if METHODS[m].memory_budget is not None):
                     t0 = time.perf_counter()
-                    choice = validated_update(args, fold_ds, target, model, split, m, lrs[m])
+                    try:
+                        choice = validated_update(args, fold_ds, target, model, split, m, lrs[m])
+                    except BudgetExceeded as e:  # nothing fits: the export would refuse it too (reported there)
+                        print(f"  [{i + 1}/{len(subjects)}] subject {target}: {m}: no update fits ({e})", flush=True)
+                        continue
                     chosen[m] = choice.chosen.policy
                     fold.setdefault("budget_selection", {})[m] = choice.to_dict()
                     print(f"  [{i + 1}/{len(subjects)}] subject {target}: {m} trains {choice.chosen.label} (chosen on "

@@ -152,12 +152,16 @@ def test_export_validates_the_update_on_labelled_subjects(tmp_path, capsys):
     assert main([*args, "--out", str(tmp_path / "b")]) == 0
     out = capsys.readouterr().out
     assert "validated on subjects" in out and "chosen " in out
-    chosen = out.split("chosen ", 1)[1].split(" ", 1)[0]
-    plan = json.loads((tmp_path / "b" / "manifest.json").read_text())["plan"]
+    policy = json.loads(out.split("  policy: ", 1)[1].splitlines()[0])
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    plan = manifest["plan"]
     assert plan["budget_bytes"] == 3 * 2 ** 20 and plan["predicted_peak_bytes"] <= 3 * 2 ** 20
-    trained = {p["name"].rsplit(".", 1)[0] for p in plan["params"] if p["mode"] != "frozen"}
-    if chosen.startswith("only:"):
-        assert trained == {chosen[len("only:"):]}
+    assert manifest["policy"] == policy  # the bundle trains the chosen update
+    # a data file of other classes than the model's: one clear line before any work
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, X=ds.X.transpose(0, 2, 1), y=ds.y + int(ds.n_classes), subject=ds.subject)
+    assert main([*[a if a != str(data) else str(bad) for a in args], "--out", str(tmp_path / "d")]) == 2
+    assert "outputs" in capsys.readouterr().err and not (tmp_path / "d").exists()
     # a policy and a validated choice exclude each other: one clear line, nothing exported
     assert main([*args, "--policy", "head=full", "--out", str(tmp_path / "c")]) == 2
     assert "--validate-on" in capsys.readouterr().err and not (tmp_path / "c").exists()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import zipfile
+from pathlib import Path
 
 from ..units import format_bytes
 from .common import load_factory
@@ -57,10 +59,22 @@ def _validated_policy(args: argparse.Namespace, model, example):
     if args.loss != "cross_entropy" or args.optimizer != "adamw" or args.batchnorm != "frozen":
         raise ValueError("--validate-on scores candidates with cross-entropy, AdamW and frozen BatchNorm; use "
                          "--loss cross_entropy --optimizer adamw --batchnorm frozen (the defaults)")
-    ds = load_dataset(args.validate_on)
+    path = Path(args.validate_on)
+    members = (zipfile.ZipFile(path).namelist() if path.suffix.lower() == ".npz" and path.is_file()
+               and zipfile.is_zipfile(path) else [])
+    continuous = path.suffix.lower() == ".csv" or "signal.npy" in members
+    # continuous recordings are cut into windows of the model's length
+    ds = load_dataset(path if path.suffix else args.validate_on,
+                      **({"window_length_samples": int(example.shape[-1])} if continuous else {}))
     if list(ds.X.shape[1:]) != list(example.shape[1:]):
-        raise ValueError(f"--validate-on windows have shape {list(ds.X.shape[1:])}, the model takes "
-                         f"{list(example.shape[1:])} (--input-shape)")
+        raise ValueError(f"--validate-on windows have shape {list(ds.X.shape[1:])} (channels, time steps), the "
+                         f"model takes {list(example.shape[1:])} (--input-shape); an .npz stores windows as "
+                         "(windows, time steps, channels)")
+    with torch.no_grad():
+        n_out = int(model.eval()(example).shape[-1])
+    if int(ds.y.max()) >= n_out:
+        raise ValueError(f"--validate-on labels go up to class {int(ds.y.max())}, the model has {n_out} outputs; "
+                         "give data of the model's classes")
 
     def train(split):  # a fresh model of the same factory, trained on the other subjects
         torch.manual_seed(args.validate_seed)
@@ -84,7 +98,8 @@ def _validated_policy(args: argparse.Namespace, model, example):
           f"(mean accuracy gain {chosen.score:+.3f}, predicted {format_bytes(chosen.predicted_peak_bytes)})")
     for c in fitting[:5]:
         print(f"  {c.label:<32} gain {c.score:+.3f}  predicted {format_bytes(c.predicted_peak_bytes)}")
-    return choice.chosen.policy
+    print(f"  policy: {json.dumps(chosen.policy.to_dict(), sort_keys=True)}")
+    return chosen.policy
 
 
 def _input_shape(text: str) -> list[int]:
@@ -160,7 +175,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                              "choose what trains by what it gains on labelled subjects rather than by importance")
     v.add_argument("--validate-on", metavar="DATA",
                    help="labelled windows of several subjects (.npz/.csv as edgeadapt.datasets.load_dataset reads "
-                        "them, or 'synthetic'/'watch'), in the model's input shape: each of --validate-subjects "
+                        "them, or 'synthetic'/'watch'), in the model's input shape and classes (the validation "
+                        "models see them normalised per channel on their training subjects, as in the LOSO "
+                        "study; the importance is measured on them as given): each of --validate-subjects "
                         "subjects plays the new one, a model of the same factory trained on the others adapts with "
                         "every candidate update that fits the budget, and the best gain wins")
     v.add_argument("--validate-subjects", type=int, default=5, help="subjects that play the new one (default 5)")
