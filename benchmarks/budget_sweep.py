@@ -73,7 +73,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from edgeadapt.harness.budget_check import budget_ladder  # noqa: E402  (after the path setup)
-from edgeadapt.harness.validated_selection import IMPORTANCE_WINDOWS  # noqa: E402
+from edgeadapt.harness.validated_selection import IMPORTANCE_WINDOWS, describe_picks  # noqa: E402
 from edgeadapt.units import format_bytes  # noqa: E402
 
 log = logging.getLogger("budget_sweep")
@@ -704,16 +704,10 @@ def _selection_lines(cfg: dict[str, Any], lo: dict[str, Any]) -> list[str]:
     text = {"importance": f"Budget rows: {importance}.",
             "validated": f"Budget rows: {validated}.",
             "both": f"Budget rows: {validated}. Rows marked 'importance only': {importance}."}[sel]
-    picks: dict[str, dict[str, int]] = {}
-    for r in lo["rows"]:
-        if r.get("selected"):
-            picks.setdefault(r["method"], {}).setdefault(r["selected"], 0)
-            picks[r["method"]][r["selected"]] += 1
+    picks = [(r["method"], r["selected"]) for r in lo["rows"] if r.get("selected")]
     lines = [text, ""]
     if picks:
-        lines += ["Validated picks (folds): " + "; ".join(
-            f"{m}: " + ", ".join(f"{k} x{n}" for k, n in sorted(c.items(), key=lambda kv: -kv[1]))
-            for m, c in picks.items()) + ".", ""]
+        lines += [f"Validated picks (folds): {describe_picks(picks)}.", ""]
     return lines
 
 

@@ -81,6 +81,7 @@ from edgeadapt.harness.study import (  # noqa: E402
 )
 from edgeadapt.datasets.shifts import SHIFTS, shift_subject  # noqa: E402
 from edgeadapt.harness.label_free import select_label_free_settings  # noqa: E402
+from edgeadapt.harness.validated_selection import describe_picks  # noqa: E402
 from edgeadapt.export.selfcheck import SelfCheckError  # noqa: E402
 from edgeadapt.export.unsupported import UnsupportedOpError  # noqa: E402
 from edgeadapt.sched import BudgetExceeded  # noqa: E402
@@ -196,15 +197,9 @@ def _markdown(result: dict) -> str:
         )
     base = [s["median_loaded_rss_bytes"] for s in summ.values() if s["median_loaded_rss_bytes"]]
     host = result["host"]
-    picks: dict[str, dict[str, int]] = {}
-    for f in result["folds"]:
-        for m, c in f.get("budget_selection", {}).items():
-            picks.setdefault(m, {}).setdefault(c["chosen"], 0)
-            picks[m][c["chosen"]] += 1
+    picks = [(m, c["chosen"]) for f in result["folds"] for m, c in f.get("budget_selection", {}).items()]
     if picks:  # what each budget method trained, validated on source subjects (folds per choice)
-        lines += ["", "Budget methods, what trains (validated on source subjects; folds): " + "; ".join(
-            f"{m}: " + ", ".join(f"{k} x{n}" for k, n in sorted(c.items(), key=lambda kv: -kv[1]))
-            for m, c in picks.items())]
+        lines += ["", f"Budget methods, what trains (validated on source subjects; folds): {describe_picks(picks)}"]
     refused = [(f["subject"], m, why) for f in result["folds"] for m, why in f.get("refused", {}).items()]
     if refused:  # those subjects are missing from that method's row (its mean is over the others)
         lines += ["", "Exports refused (the method did not run for that subject; its row covers the others): "

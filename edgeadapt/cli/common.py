@@ -57,9 +57,7 @@ def load_data(args: argparse.Namespace, manifest, labels: bool = True, accuracy:
         raise ValueError(f"--sample-rate-hz must be a positive number, got {args.sample_rate_hz}")
     path = Path(args.data)
     kwargs = {"sample_rate_hz": args.sample_rate_hz} if args.sample_rate_hz else {}
-    members = (zipfile.ZipFile(path).namelist() if path.suffix.lower() == ".npz" and path.is_file()
-               and zipfile.is_zipfile(path) else [])
-    continuous = path.suffix.lower() == ".csv" or "signal.npy" in members
+    members, continuous = data_layout(path)
     if continuous:
         kwargs["window_length_samples"] = window_length(args, manifest)
     ds = load_dataset(path, require_labels=labels, **kwargs)
@@ -72,6 +70,14 @@ def load_data(args: argparse.Namespace, manifest, labels: bool = True, accuracy:
         return X, check_class_ids(ds.y, len(X), manifest.output.shape[-1], what=f"{path} (y)")
     y = ds.y if labels and manifest.label is not None else None
     return X, check_labels(manifest, y, len(X), what=f"{path} (y)")
+
+
+def data_layout(path: Path) -> tuple[list[str], bool]:
+    """(the arrays an ``.npz`` holds, empty for other files; whether the file holds continuous
+    recordings to cut into windows: a CSV or a ``signal`` npz)."""
+    members = (zipfile.ZipFile(path).namelist() if path.suffix.lower() == ".npz" and path.is_file()
+               and zipfile.is_zipfile(path) else [])
+    return members, path.suffix.lower() == ".csv" or "signal.npy" in members
 
 
 def check_stored_windows(manifest, X, path: Path) -> None:

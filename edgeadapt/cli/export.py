@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import zipfile
 from pathlib import Path
 
 from ..units import format_bytes
-from .common import load_factory
+from .common import data_layout, load_factory
 
 __all__ = ["cmd_export", "add_parser"]
 
@@ -59,13 +58,9 @@ def _validated_policy(args: argparse.Namespace, model, example):
     if args.loss != "cross_entropy" or args.optimizer != "adamw" or args.batchnorm != "frozen":
         raise ValueError("--validate-on scores candidates with cross-entropy, AdamW and frozen BatchNorm; use "
                          "--loss cross_entropy --optimizer adamw --batchnorm frozen (the defaults)")
-    path = Path(args.validate_on)
-    members = (zipfile.ZipFile(path).namelist() if path.suffix.lower() == ".npz" and path.is_file()
-               and zipfile.is_zipfile(path) else [])
-    continuous = path.suffix.lower() == ".csv" or "signal.npy" in members
+    _, continuous = data_layout(Path(args.validate_on))
     # continuous recordings are cut into windows of the model's length
-    ds = load_dataset(path if path.suffix else args.validate_on,
-                      **({"window_length_samples": int(example.shape[-1])} if continuous else {}))
+    ds = load_dataset(args.validate_on, **({"window_length_samples": int(example.shape[-1])} if continuous else {}))
     if list(ds.X.shape[1:]) != list(example.shape[1:]):
         raise ValueError(f"--validate-on windows have shape {list(ds.X.shape[1:])} (channels, time steps), the "
                          f"model takes {list(example.shape[1:])} (--input-shape); an .npz stores windows as "
@@ -87,7 +82,7 @@ def _validated_policy(args: argparse.Namespace, model, example):
                             batch_windows=args.batch_windows, seed=args.validate_seed)
     scorer = InnerSubjectScorer(ds, train, recipe, k_per_class=args.validate_k_per_class,
                                 validation_subjects=args.validate_subjects, seed=args.validate_seed)
-    importance = source_importance(model, example, ds, seed=args.validate_seed, target_subject=0)
+    importance = source_importance(model, example, ds, seed=args.validate_seed)
     choice = choose_update_for_model(model, example, args.memory_budget, scorer, n_windows=args.n_windows,
                                      batch_windows=args.batch_windows, importance=importance, backend=args.backend,
                                      recompute=args.recompute)

@@ -23,7 +23,7 @@ from ..datasets import ChannelNormalizer, WindowDataset, few_shot_split, label_s
 __all__ = ["Method", "METHODS", "ALL_METHODS", "LABEL_FREE", "FIXED_LR", "LR_GRID", "PRETRAIN_THREADS",
            "SplitData", "make_split", "sparse_policy", "method_recipe", "pinned_torch", "pretrain_source",
            "per_subject_accuracy", "save_target_data", "export_method", "run_method", "LrSelection",
-           "pick_validation_subjects", "validation_folds", "select_learning_rates"]
+           "fold_rng", "pick_validation_subjects", "validation_folds", "select_learning_rates"]
 
 log = logging.getLogger(__name__)
 
@@ -357,12 +357,18 @@ class LrSelection:
     validation_subjects: tuple[int, ...]
 
 
-def pick_validation_subjects(source: WindowDataset, n: int, seed: int, target_subject: int) -> list[int]:
+def fold_rng(seed: int, target_subject: int | None) -> np.random.Generator:
+    """The generator of a fold's seeded choices on source data (``target_subject``: the fold's
+    held-out subject, ``None`` outside a fold), so that folds differ and each is reproducible."""
+    return np.random.default_rng([seed, 0 if target_subject is None else target_subject])
+
+
+def pick_validation_subjects(source: WindowDataset, n: int, seed: int, target_subject: int | None) -> list[int]:
     """The ``n`` source subjects (at most all but one) that play the new subject in turn when a
-    setting is chosen on source subjects; a seeded choice that differs between folds."""
-    rng = np.random.default_rng([seed, target_subject])
+    setting is chosen on source subjects; a seeded choice that differs between folds
+    (``target_subject``: the fold's held-out subject, ``None`` outside a fold)."""
     size = min(n, len(source.subjects) - 1)
-    return sorted(int(s) for s in rng.choice(source.subjects, size=size, replace=False))
+    return sorted(int(s) for s in fold_rng(seed, target_subject).choice(source.subjects, size=size, replace=False))
 
 
 def validation_folds(source: WindowDataset, target_subject: int | None, pretrain, *, n: int, k_per_class: int,
@@ -381,8 +387,7 @@ def validation_folds(source: WindowDataset, target_subject: int | None, pretrain
     if target_subject is not None and np.any(source.subject == target_subject):
         raise ValueError(f"the source windows still hold subject {target_subject}, the fold's target; "
                          "remove it first (ds.subset(ds.subject != target))")
-    salt = 0 if target_subject is None else target_subject
-    for v in pick_validation_subjects(source, n, seed, salt):
+    for v in pick_validation_subjects(source, n, seed, target_subject):
         split = make_split(source, v, k_per_class, seed)
         model = (pretrain_source(pretrain, split, epochs=pretrain_epochs, seed=seed) if isinstance(pretrain, str)
                  else pretrain(split).eval())

@@ -42,10 +42,10 @@ from ..sched.cost import CostModel
 from ..sched.ir import Graph
 from ..sched.resolve import resolve_params
 from ..units import parse_bytes
-from .study import PRETRAIN_THREADS, SplitData, pick_validation_subjects, pinned_torch, validation_folds
+from .study import PRETRAIN_THREADS, SplitData, fold_rng, pick_validation_subjects, pinned_torch, validation_folds
 
 __all__ = ["FinetuneRecipe", "finetune", "InnerSubjectScorer", "CandidateResult", "Choice", "choose_update",
-           "choose_update_for_model", "source_importance", "IMPORTANCE_WINDOWS"]
+           "choose_update_for_model", "source_importance", "IMPORTANCE_WINDOWS", "describe_picks"]
 
 log = logging.getLogger(__name__)
 
@@ -152,8 +152,7 @@ class InnerSubjectScorer:
     @property
     def subjects(self) -> tuple[int, ...]:
         """The source subjects that play the new one."""
-        salt = 0 if self.target_subject is None else self.target_subject
-        return tuple(pick_validation_subjects(self.source, self.validation_subjects, self.seed, salt))
+        return tuple(pick_validation_subjects(self.source, self.validation_subjects, self.seed, self.target_subject))
 
     def _prepared_folds(self) -> list:
         """Per validation subject: (pretrained model, adapt windows, eval windows, unadapted accuracy)."""
@@ -220,6 +219,17 @@ class Choice:
                                 "predicted_peak_bytes": c.predicted_peak_bytes} for c in self.candidates]}
 
 
+def describe_picks(picks) -> str:
+    """``"method: label xN, ...; method2: ..."`` from ``(method, chosen label)`` pairs, one per fold,
+    the most frequent label first (for the studies' tables)."""
+    counts: dict[str, dict[str, int]] = {}
+    for method, label in picks:
+        counts.setdefault(method, {}).setdefault(label, 0)
+        counts[method][label] += 1
+    return "; ".join(f"{m}: " + ", ".join(f"{k} x{n}" for k, n in sorted(c.items(), key=lambda kv: -kv[1]))
+                     for m, c in counts.items())
+
+
 def _worth_its_memory(fitting: list[CandidateResult], tolerance_se: float) -> CandidateResult:
     """The candidate with the smallest predicted peak among those whose mean gain the best one's
     does not exceed by more than ``tolerance_se`` standard errors of the paired difference (per
@@ -239,11 +249,12 @@ def _worth_its_memory(fitting: list[CandidateResult], tolerance_se: float) -> Ca
 IMPORTANCE_WINDOWS = 128
 
 
-def source_importance(model, example_input, source: WindowDataset, *, seed: int, target_subject: int,
+def source_importance(model, example_input, source: WindowDataset, *, seed: int, target_subject: int | None = None,
                       n_windows: int = IMPORTANCE_WINDOWS) -> dict:
     """Empirical Fisher importance of ``model``'s parameters (``example_input``: its input shape)
-    on ``n_windows`` labelled windows of ``source`` (a seeded choice, ``[seed, target_subject]``),
-    for the planner's importance selection: decided on source data only."""
+    on ``n_windows`` labelled windows of ``source`` (a seeded choice, ``[seed, target_subject]``;
+    ``None``: outside a fold, as 0), for the planner's importance selection: decided on source
+    data only."""
     import torch
 
     from ..export.importance import measure_importance
@@ -251,7 +262,7 @@ def source_importance(model, example_input, source: WindowDataset, *, seed: int,
 
     graph, _ = model_graph(model, example_input, "frozen")
     n = min(n_windows, len(source.y))
-    idx = np.sort(np.random.default_rng([seed, target_subject]).choice(len(source.y), size=n, replace=False))
+    idx = np.sort(fold_rng(seed, target_subject).choice(len(source.y), size=n, replace=False))
     return measure_importance(model, torch.from_numpy(source.X[idx]), graph, labels=torch.from_numpy(source.y[idx]),
                               batch_windows=32, max_batches=-(-n // 32))
 
@@ -348,11 +359,9 @@ def choose_update_for_model(model, example_input, budget_bytes: int | str, score
     asked, and (``importance=None``) the importance the exporter measures on the example. Export
     the choice with ``export_bundle(model, example_input, out, memory_budget=budget_bytes,
     policy=choice.chosen.policy, recompute=recompute, backend=backend)``."""
-    from ..export import plan_cost
+    from ..export.exporter import plan_cost, resolve_backends
     from ..export.importance import measure_importance
     from ..export.planning import model_graph
-
-    from ..export.exporter import resolve_backends
 
     graph, weights = model_graph(model, example_input, "frozen")
     recompute = recompute and "ort-training" in resolve_backends(backend)  # as the exporter decides

@@ -214,3 +214,10 @@ def test_every_fitting_candidate_exports_within_a_tight_budget(tmp_path):
         manifest = export_bundle(model, example, tmp_path / f"b{i}", memory_budget=budget, policy=c.policy,
                                  n_windows=16, batch_windows=8)
         assert manifest.plan["predicted"]["peak_bytes"] <= budget, c.label
+
+
+def test_picks_are_counted_per_method_most_frequent_first():
+    from edgeadapt.harness.validated_selection import describe_picks
+
+    picks = [("b1", "only:x"), ("b2", "last+y"), ("b1", "last+y"), ("b1", "last+y")]
+    assert describe_picks(picks) == "b1: last+y x2, only:x x1; b2: last+y x1"
