@@ -168,7 +168,9 @@ def _markdown(result: dict) -> str:
         f"k={cfg['k_per_class']} per class, {cfg['epochs']} adaptation epochs"
         + (f", sensor shift {cfg['target_shift']}" if cfg.get("target_shift") else "")
         + (f", adaptation windows of {cfg['adapt_classes']} class(es) only (label shift)"
-           if cfg.get("adapt_classes") else ""),
+           if cfg.get("adapt_classes") else "")
+        + (f", unlabelled adaptation on the first {cfg['unlabeled_fraction']:g} of each recording"
+           if cfg.get("unlabeled_fraction") else ""),
         "",
         f"Command: `{result['command']}`",
         "",
@@ -206,8 +208,10 @@ def _markdown(result: dict) -> str:
                   + "; ".join(f"subject {subj} {m}: {why}" for subj, m, why in refused)]
     lines += [
         "",
-        f"Accuracy on each held-out subject's evaluation windows (disjoint from its "
-        f"{cfg['k_per_class']}-per-class adaptation windows); source-only = the fold's pretrained model. "
+        "Accuracy on each held-out subject's evaluation windows (disjoint from its "
+        + (f"adaptation windows, the first {cfg['unlabeled_fraction']:g} of each of its recordings)"
+           if cfg.get("unlabeled_fraction") else f"{cfg['k_per_class']}-per-class adaptation windows)")
+        + "; source-only = the fold's pretrained model. "
         f"Pretrained source models reach {result['source_val_accuracy_mean']:.3f} on held-out windows of "
         "their own source subjects (mean over folds). Trained bytes = trained elements x 4 (float32); "
         "gradients + AdamW moments add 3x that.",
@@ -333,6 +337,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--adapt-classes", type=int, default=None, metavar="K",
                    help="label shift: each held-out subject's adaptation windows (as many as --k-per-class x "
                         "classes) show only K of its classes, in recording order; evaluation on all its other windows")
+    p.add_argument("--unlabeled-fraction", type=float, default=None, metavar="F",
+                   help="label-free methods only: each held-out subject adapts on the first F (0 < F < 1) of each of "
+                        "its recordings, labels unused, and evaluates on the rest (a wearable's unlabelled "
+                        "windows are many); default: as many windows as --k-per-class x classes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="threads for pretraining and adaptation (default 1)")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
@@ -343,6 +351,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--validation-subjects, --selection-subjects and --threads must be >= 1")
     if args.adapt_classes is not None and args.adapt_classes < 1:
         p.error("--adapt-classes must be >= 1")
+    if args.unlabeled_fraction is not None:
+        if not 0 < args.unlabeled_fraction < 1:
+            p.error(f"--unlabeled-fraction must be in (0, 1), got {args.unlabeled_fraction}")
+        labelled = [m for m in args.methods if not METHODS[m].label_free]
+        if labelled or args.memory_budget or args.adapt_classes is not None:
+            p.error("--unlabeled-fraction is for label-free methods only; drop "
+                    + ", ".join([*labelled, *(["--memory-budget"] if args.memory_budget else []),
+                                 *(["--adapt-classes"] if args.adapt_classes is not None else [])]))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
 
@@ -405,12 +421,13 @@ def main(argv: list[str] | None = None) -> int:
                 label_free[m] = select_label_free_settings(
                     fold_ds, target, args.model, workdir=Path(work), validation_subjects=args.validation_subjects,
                     k_per_class=args.k_per_class, pretrain_epochs=args.pretrain_epochs, seed=args.seed,
-                    threads=args.threads)
+                    threads=args.threads, unlabeled_fraction=args.unlabeled_fraction)
                 print(f"  [{i + 1}/{len(subjects)}] subject {target}: {m} settings chosen on source subjects "
                       f"{label_free[m].validation_subjects} in {time.perf_counter() - t0:.0f} s: "
                       f"{label_free[m].settings}",
                       flush=True)
-            split = make_split(fold_ds, target, args.k_per_class, args.seed, adapt_classes=args.adapt_classes)
+            split = make_split(fold_ds, target, args.k_per_class, args.seed, adapt_classes=args.adapt_classes,
+                               unlabeled_fraction=args.unlabeled_fraction)
             t0 = time.perf_counter()
             model = pretrain_source(args.model, split, epochs=args.pretrain_epochs, seed=args.seed,
                                     threads=args.threads)

@@ -9,13 +9,13 @@ Import as ``edgeadapt.datasets`` (never as a top-level ``datasets``).
 * :func:`load_watch` — real smartwatch IMU exercise recordings shipped with ``seglearn==1.2.5``.
 * :func:`load_npz_file`, :func:`load_csv`, :func:`load_dataset` — the user's own data.
 * :class:`ChannelNormalizer`, :func:`loso_splits`, :func:`few_shot_split`,
-  :func:`label_shift_split` — evaluation plumbing.
+  :func:`label_shift_split`, :func:`unlabeled_split` — evaluation plumbing.
 """
 
 from .io import load_csv, load_dataset, load_npz_file
 from .normalize import ChannelNormalizer
 from .safe_pickle import NumpyOnlyUnpickler, load_object_npy
-from .splits import FewShotSplit, SubjectSplit, few_shot_split, label_shift_split, loso_splits
+from .splits import FewShotSplit, SubjectSplit, few_shot_split, label_shift_split, loso_splits, unlabeled_split
 from .synthetic import SyntheticConfig, make_synthetic
 from .watch import WATCH_INSTALL_HINT, WATCH_SAMPLE_RATE_HZ, find_watch_file, load_watch, read_watch_file
 from .window_dataset import WindowDataset, read_npz
@@ -54,6 +54,7 @@ __all__ = [
     "loso_splits",
     "few_shot_split",
     "label_shift_split",
+    "unlabeled_split",
     "load_npz_file",
     "load_csv",
     "load_dataset",

@@ -18,7 +18,7 @@ import numpy as np
 
 from .window_dataset import WindowDataset
 
-__all__ = ["SubjectSplit", "FewShotSplit", "loso_splits", "few_shot_split", "label_shift_split"]
+__all__ = ["SubjectSplit", "FewShotSplit", "loso_splits", "few_shot_split", "label_shift_split", "unlabeled_split"]
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +129,35 @@ def label_shift_split(dataset: WindowDataset, subject: int, n_windows: int, n_cl
     if rest.size == 0:
         raise ValueError(f"subject {subject}: no evaluation window is left after taking {n_windows} windows "
                          f"of its classes {sorted(classes.tolist())}; lower n_windows")
+    return FewShotSplit(adapt, rest)
+
+
+def unlabeled_split(dataset: WindowDataset, subject: int, fraction: float) -> FewShotSplit:
+    """The first ``fraction`` of every recording of ``subject`` adapts (labels unused), in dataset
+    (recording) order, as a wearable collects unlabelled windows before anyone asks how well it
+    does; the later windows of each recording evaluate (minus any that share samples with an
+    adaptation window). Without ``dataset.recording``, each class's windows in dataset order stand
+    for its recording.
+
+    Raises:
+        ValueError: ``subject`` is not in the dataset, ``fraction`` is not in (0, 1), or a part is empty.
+    """
+    if not (isinstance(fraction, (int, float)) and 0 < fraction < 1):
+        raise ValueError(f"fraction must be a number in (0, 1), got {fraction!r}")
+    own = np.flatnonzero(dataset.subject == subject)
+    if own.size == 0:
+        raise ValueError(f"subject {subject} is not in the dataset (subjects: {dataset.subjects.tolist()})")
+    pieces = dataset.recording[own] if dataset.recording is not None else dataset.y[own]
+    adapt = np.sort(np.concatenate([
+        members[:int(np.floor(fraction * members.size))]
+        for members in (own[pieces == piece] for piece in np.unique(pieces))
+    ])).astype(np.int64)
+    if adapt.size == 0:
+        raise ValueError(f"subject {subject}: a fraction of {fraction} of its recordings is no window; raise it")
+    rest = _evaluation_windows(dataset, subject, own, adapt)
+    if rest.size == 0:
+        raise ValueError(f"subject {subject}: no evaluation window is left after adapting on the first "
+                         f"{fraction} of its recordings; lower the fraction")
     return FewShotSplit(adapt, rest)
 
 

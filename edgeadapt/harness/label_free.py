@@ -60,7 +60,8 @@ class LabelFreeSelection:
 def select_label_free_settings(ds, target_subject: int, model_name: str, *, workdir: Path,
                                validation_subjects: int = 2, grid: tuple[dict, ...] = LABEL_FREE_GRID,
                                k_per_class: int, pretrain_epochs: int, seed: int = 0,
-                               threads: int | None = None) -> LabelFreeSelection:
+                               threads: int | None = None,
+                               unlabeled_fraction: float | None = None) -> LabelFreeSelection:
     """Choose the label-free settings of one fold by leave-one-source-subject-out.
 
     The target subject's windows are dropped; ``validation_subjects`` source subjects (the
@@ -68,7 +69,8 @@ def select_label_free_settings(ds, target_subject: int, model_name: str, *, work
     model pretrained on the other source subjects adapts label-free from the validation
     subject's ``k_per_class`` windows per class (labels unused) with each candidate, and the
     accuracy gain on its other windows is scored by :func:`selection_score`; the best score wins
-    (ties: the earlier candidate).
+    (ties: the earlier candidate). ``unlabeled_fraction``: the validation subject adapts on the
+    first fraction of its recordings instead (as the fold's target does).
     """
     from ..runtime import Runner
     from ..runtime.unlabeled import UnlabeledSettings
@@ -78,7 +80,8 @@ def select_label_free_settings(ds, target_subject: int, model_name: str, *, work
     gains: list[list[float]] = [[] for _ in grid]
     chosen = []
     for v, split, model in validation_folds(source, target_subject, model_name, n=validation_subjects,
-                                            k_per_class=k_per_class, pretrain_epochs=pretrain_epochs, seed=seed):
+                                            k_per_class=k_per_class, pretrain_epochs=pretrain_epochs, seed=seed,
+                                            unlabeled_fraction=unlabeled_fraction):
         chosen.append(v)
         ad, ev = split.target_adapt, split.target_eval
         bundle = workdir / f"select-label-free-{target_subject}-{v}"

@@ -18,7 +18,7 @@ import numpy as np
 
 from .adapt_job import AdaptJobSpec, run_job_in_subprocess
 from .label_free_settings import UNLABELED_METHOD_SETTINGS
-from ..datasets import ChannelNormalizer, WindowDataset, few_shot_split, label_shift_split
+from ..datasets import ChannelNormalizer, WindowDataset, few_shot_split, label_shift_split, unlabeled_split
 
 __all__ = ["Method", "METHODS", "ALL_METHODS", "LABEL_FREE", "FIXED_LR", "LR_GRID", "PRETRAIN_THREADS",
            "SplitData", "make_split", "sparse_policy", "method_recipe", "pinned_torch", "pretrain_source",
@@ -145,12 +145,17 @@ class SplitData:
 
 
 def make_split(ds: WindowDataset, target_subject: int, k_per_class: int, seed: int,
-               val_fraction: float = 0.2, adapt_classes: int | None = None) -> SplitData:
+               val_fraction: float = 0.2, adapt_classes: int | None = None,
+               unlabeled_fraction: float | None = None) -> SplitData:
     """Split ``ds`` for one target subject; normalisation is fitted on source training windows.
 
     ``adapt_classes``: the target's adaptation windows (as many as ``k_per_class`` x its classes)
     show only this many of its classes, in recording order (label shift,
-    :func:`~edgeadapt.datasets.label_shift_split`); ``None``: ``k_per_class`` of every class."""
+    :func:`~edgeadapt.datasets.label_shift_split`); ``unlabeled_fraction``: they are the first
+    fraction of each of its recordings (label-free methods only,
+    :func:`~edgeadapt.datasets.unlabeled_split`); neither: ``k_per_class`` of every class."""
+    if adapt_classes is not None and unlabeled_fraction is not None:
+        raise ValueError("adapt_classes and unlabeled_fraction pick the adaptation windows two ways; give one")
     rng = np.random.default_rng(seed)
     source = np.flatnonzero(ds.subject != target_subject)
     if ds.recording is None:
@@ -160,7 +165,9 @@ def make_split(ds: WindowDataset, target_subject: int, k_per_class: int, seed: i
         train_idx, val_idx = _split_recordings_in_time(ds, source, val_fraction)
     norm = ChannelNormalizer.fit(ds, train_idx)
     ds_n = norm.apply(ds)
-    if adapt_classes is None:
+    if unlabeled_fraction is not None:
+        shot = unlabeled_split(ds_n, target_subject, unlabeled_fraction)
+    elif adapt_classes is None:
         shot = few_shot_split(ds_n, target_subject, k_per_class, seed)
     else:
         shot = label_shift_split(ds_n, target_subject, k_per_class * ds.n_classes, adapt_classes, seed)
@@ -372,7 +379,8 @@ def pick_validation_subjects(source: WindowDataset, n: int, seed: int, target_su
 
 
 def validation_folds(source: WindowDataset, target_subject: int | None, pretrain, *, n: int, k_per_class: int,
-                     pretrain_epochs: int, seed: int) -> Iterator[tuple[int, SplitData, Any]]:
+                     pretrain_epochs: int, seed: int,
+                     unlabeled_fraction: float | None = None) -> Iterator[tuple[int, SplitData, Any]]:
     """Per validation subject (:func:`pick_validation_subjects`): the subject, its split of
     ``source`` (the subject plays the new one) and a model pretrained on the other source
     subjects, made one at a time.
@@ -380,6 +388,8 @@ def validation_folds(source: WindowDataset, target_subject: int | None, pretrain
     ``pretrain``: a reference model's name (:func:`pretrain_source` with ``pretrain_epochs``) or
     a function taking the split and returning the model trained on its ``source_train``.
     ``target_subject``: the fold's held-out subject (``None``: no fold), mixed into the pick.
+    ``unlabeled_fraction``: the validation subject's adaptation windows are the first fraction of
+    its recordings (:func:`make_split`).
 
     Raises:
         ValueError: ``source`` still holds ``target_subject``'s windows.
@@ -388,7 +398,7 @@ def validation_folds(source: WindowDataset, target_subject: int | None, pretrain
         raise ValueError(f"the source windows still hold subject {target_subject}, the fold's target; "
                          "remove it first (ds.subset(ds.subject != target))")
     for v in pick_validation_subjects(source, n, seed, target_subject):
-        split = make_split(source, v, k_per_class, seed)
+        split = make_split(source, v, k_per_class, seed, unlabeled_fraction=unlabeled_fraction)
         model = (pretrain_source(pretrain, split, epochs=pretrain_epochs, seed=seed) if isinstance(pretrain, str)
                  else pretrain(split).eval())
         yield v, split, model

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from edgeadapt.datasets import (
-    SyntheticConfig, few_shot_split, label_shift_split, loso_splits, make_synthetic, windows_from_continuous,
+    SyntheticConfig, few_shot_split, label_shift_split, loso_splits, make_synthetic, unlabeled_split,
+    windows_from_continuous,
 )
 
 
@@ -113,3 +114,46 @@ def test_label_shift_split_argument_errors(dataset):
         label_shift_split(dataset, subject=0, n_windows=0, n_classes=1, seed=0)
     with pytest.raises(ValueError, match=r"subject 9 is not in the dataset"):
         label_shift_split(dataset, subject=9, n_windows=8, n_classes=1, seed=0)
+
+
+def test_unlabeled_split_takes_the_start_of_every_recording_and_evaluates_on_the_rest():
+    # One subject, two recordings (sessions) of four activity bouts; windows of 20, hop 5.
+    n = 800
+    signal = np.arange(n, dtype=np.float64)[:, None]
+    labels = np.repeat([0, 1, 0, 1], n // 4)
+    session = np.repeat([0, 1], n // 2)
+    ds = windows_from_continuous(signal, labels, np.zeros(n, np.int64), session, sample_rate_hz=1.0,
+                                 window_length_samples=20, overlap_fraction=0.75)
+    split = unlabeled_split(ds, subject=0, fraction=0.5)
+    for rec in np.unique(ds.recording):
+        members = np.flatnonzero(ds.recording == rec)
+        adapt = np.intersect1d(members, split.adapt_idx)
+        np.testing.assert_array_equal(adapt, members[:members.size // 2])  # the first half, in order
+        evaluated = np.intersect1d(members, split.eval_idx)
+        # every evaluated window starts at least a window after the last adaptation window starts
+        assert ds.start_sample[evaluated].min() >= ds.start_sample[adapt].max() + 20
+    adapt_values = set(ds.X[split.adapt_idx].ravel().tolist())
+    assert adapt_values.isdisjoint(ds.X[split.eval_idx].ravel().tolist())  # no shared sample
+
+
+def test_unlabeled_split_without_recordings_takes_the_start_of_every_class(dataset):
+    split = unlabeled_split(dataset, subject=2, fraction=0.25)
+    own = np.flatnonzero(dataset.subject == 2)
+    for c in range(dataset.n_classes):
+        of_class = own[dataset.y[own] == c]
+        np.testing.assert_array_equal(np.intersect1d(of_class, split.adapt_idx), of_class[:of_class.size // 4])
+    np.testing.assert_array_equal(np.union1d(split.adapt_idx, split.eval_idx), own)
+    assert np.intersect1d(split.adapt_idx, split.eval_idx).size == 0
+
+
+@pytest.mark.parametrize("fraction", [0, 1, 1.5, -0.1, "half"])
+def test_unlabeled_split_refuses_a_fraction_outside_0_1(dataset, fraction):
+    with pytest.raises(ValueError, match=r"fraction must be a number in \(0, 1\)"):
+        unlabeled_split(dataset, subject=0, fraction=fraction)
+
+
+def test_unlabeled_split_errors_name_the_subject_and_the_fix(dataset):
+    with pytest.raises(ValueError, match=r"subject 9 is not in the dataset"):
+        unlabeled_split(dataset, subject=9, fraction=0.5)
+    with pytest.raises(ValueError, match=r"is no window; raise it"):
+        unlabeled_split(dataset, subject=0, fraction=0.01)

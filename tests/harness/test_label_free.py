@@ -75,3 +75,33 @@ def test_loso_reports_a_refused_export_and_the_subjects_each_row_covers():
     md = loso._markdown(result)
     assert "Exports refused (the method did not run for that subject" in md
     assert "subject 1 entropy: the portable step graphs do not reproduce torch" in md
+
+
+@pytest.mark.parametrize("extra, named", [
+    (["--methods", "label-free", "last-layer"], "drop last-layer"),
+    (["--methods", "bn-stats", "--memory-budget", "1MiB"], "drop --memory-budget"),
+    (["--methods", "label-free", "--adapt-classes", "1"], "drop --adapt-classes"),
+])
+def test_loso_unlabeled_fraction_is_for_label_free_methods_only(extra, named, capsys):
+    """Labelled methods adapt on k windows per class; a study that gives label-free methods the
+    first part of each recording instead refuses them before any work, naming what to drop."""
+    from helpers import load_benchmark
+
+    loso = load_benchmark("loso")
+    with pytest.raises(SystemExit):
+        loso.main(["--unlabeled-fraction", "0.5", *extra])
+    assert named in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        loso.main(["--unlabeled-fraction", "1.0", "--methods", "label-free"])
+    assert "--unlabeled-fraction must be in (0, 1), got 1.0" in capsys.readouterr().err
+
+
+def test_make_split_takes_one_way_of_picking_adaptation_windows():
+    from edgeadapt.datasets import SyntheticConfig, make_synthetic
+    from edgeadapt.harness.study import make_split
+
+    ds = make_synthetic(SyntheticConfig(n_subjects=3, windows_per_subject=60, n_time_steps=32, seed=1))
+    split = make_split(ds, 0, k_per_class=2, seed=0, unlabeled_fraction=0.5)
+    assert len(split.target_adapt.y) == sum((ds.y[ds.subject == 0] == c).sum() // 2 for c in range(ds.n_classes))
+    with pytest.raises(ValueError, match="adapt_classes and unlabeled_fraction pick the adaptation windows two ways"):
+        make_split(ds, 0, k_per_class=2, seed=0, adapt_classes=1, unlabeled_fraction=0.5)
