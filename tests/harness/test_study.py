@@ -62,3 +62,23 @@ def test_learning_rates_are_chosen_on_source_subjects_only(tmp_path, monkeypatch
     assert sel.grid == (1e-3, 3e-2) and len(sel.mean_accuracy) == 2
     best = max(sel.mean_accuracy)
     assert sel.lr == min(g for g, a in zip(sel.grid, sel.mean_accuracy) if a == best)
+
+
+def test_validation_subjects_adapt_on_the_start_of_their_recordings_when_asked():
+    """With ``unlabeled_fraction`` every validation subject's adaptation windows are the first part
+    of its recordings, as the held-out subject's are (the label-free settings are chosen that way)."""
+    from edgeadapt.datasets import unlabeled_split
+    from edgeadapt.harness.study import validation_folds
+
+    ds = make_synthetic(SyntheticConfig(n_subjects=4, windows_per_subject=48, n_time_steps=32))
+    source = ds.subset(ds.subject != 3)
+    folds = list(validation_folds(source, 3, lambda split: torch.nn.Identity(), n=2, k_per_class=2,
+                                  pretrain_epochs=1, seed=0, unlabeled_fraction=0.5))
+    assert len(folds) == 2
+    for v, split, _ in folds:
+        own = np.flatnonzero(source.subject == v)
+        expected = unlabeled_split(source, v, 0.5)
+        assert len(split.target_adapt.y) == len(expected.adapt_idx)
+        assert own.size // 2 - ds.n_classes < len(expected.adapt_idx) <= own.size // 2  # half of each class
+        np.testing.assert_array_equal(split.target_adapt.y, source.y[expected.adapt_idx])
+        np.testing.assert_array_equal(split.target_eval.y, source.y[expected.eval_idx])
