@@ -408,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
                 selection = select_learning_rates(
                     ds, target, methods, args.model, workdir=Path(work), validation_subjects=args.validation_subjects,
                     grid=tuple(args.lr_grid), k_per_class=args.k_per_class, epochs=args.epochs,
-                    pretrain_epochs=args.pretrain_epochs, seed=args.seed, threads=args.threads)
+                    pretrain_epochs=args.pretrain_epochs, seed=args.seed, threads=args.threads,
+                    unlabeled_fraction=args.unlabeled_fraction)
                 lrs = {m: (selection[m].lr if m in selection else 0.0) for m in methods}
                 print(f"  [{i + 1}/{len(subjects)}] subject {target}: learning rates chosen on source subjects "
                       f"{next(iter(selection.values())).validation_subjects if selection else '-'} in "

@@ -11,6 +11,7 @@ that shares a sample with an adaptation window.
 from __future__ import annotations
 
 import logging
+import numbers
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -136,24 +137,33 @@ def unlabeled_split(dataset: WindowDataset, subject: int, fraction: float) -> Fe
     """The first ``fraction`` of every recording of ``subject`` adapts (labels unused), in dataset
     (recording) order, as a wearable collects unlabelled windows before anyone asks how well it
     does; the later windows of each recording evaluate (minus any that share samples with an
-    adaptation window). Without ``dataset.recording``, each class's windows in dataset order stand
-    for its recording.
+    adaptation window). Within a recording, "first" is by ``start_sample``; a recording with
+    fewer than ``1 / fraction`` windows goes wholly to evaluation. Without ``dataset.recording``,
+    each class's windows in dataset order stand for its recording (the labels then pick the
+    windows: an evaluation protocol, not something a device can do).
 
     Raises:
         ValueError: ``subject`` is not in the dataset, ``fraction`` is not in (0, 1), or a part is empty.
     """
-    if not (isinstance(fraction, (int, float)) and 0 < fraction < 1):
+    if isinstance(fraction, bool) or not (isinstance(fraction, numbers.Real) and 0 < fraction < 1):
         raise ValueError(f"fraction must be a number in (0, 1), got {fraction!r}")
     own = np.flatnonzero(dataset.subject == subject)
     if own.size == 0:
         raise ValueError(f"subject {subject} is not in the dataset (subjects: {dataset.subjects.tolist()})")
     pieces = dataset.recording[own] if dataset.recording is not None else dataset.y[own]
-    adapt = np.sort(np.concatenate([
-        members[:int(np.floor(fraction * members.size))]
-        for members in (own[pieces == piece] for piece in np.unique(pieces))
-    ])).astype(np.int64)
+    adapt_parts = []
+    for piece in np.unique(pieces):
+        members = own[pieces == piece]
+        if dataset.recording is not None:  # the earliest windows of the recording, whatever the file's order
+            members = members[np.argsort(dataset.start_sample[members], kind="stable")]
+        # a recording too short for one window at this fraction goes wholly to evaluation
+        adapt_parts.append(members[:int(np.floor(fraction * members.size))])
+    adapt = np.sort(np.concatenate(adapt_parts)).astype(np.int64)
     if adapt.size == 0:
-        raise ValueError(f"subject {subject}: a fraction of {fraction} of its recordings is no window; raise it")
+        longest = int(max(np.unique(pieces, return_counts=True)[1]))
+        fix = (f"a fraction of at least {1 / longest:.3g} would give its longest one a window" if longest > 1
+               else "every recording holds one window, so no fraction below 1 can; adapt on whole recordings")
+        raise ValueError(f"subject {subject}: the first {fraction} of each of its recordings is no window; {fix}")
     rest = _evaluation_windows(dataset, subject, own, adapt)
     if rest.size == 0:
         raise ValueError(f"subject {subject}: no evaluation window is left after adapting on the first "

@@ -407,7 +407,8 @@ def validation_folds(source: WindowDataset, target_subject: int | None, pretrain
 def select_learning_rates(ds: WindowDataset, target_subject: int, methods: list[str], model_name: str, *,
                           workdir: Path, validation_subjects: int = 2, grid: tuple[float, ...] = LR_GRID,
                           k_per_class: int, epochs: int, pretrain_epochs: int, batch_size: int = 16,
-                          seed: int = 0, threads: int | None = None) -> dict[str, LrSelection]:
+                          seed: int = 0, threads: int | None = None,
+                          unlabeled_fraction: float | None = None) -> dict[str, LrSelection]:
     """Choose each method's learning rate by leave-one-source-subject-out, never on the target.
 
     The target subject's windows are dropped first. Then ``validation_subjects`` of the
@@ -416,6 +417,8 @@ def select_learning_rates(ds: WindowDataset, target_subject: int, methods: list[
     ``k_per_class`` of the validation subject's windows per class at every rate in ``grid``;
     accuracy on the validation subject's other windows decides. Adaptation runs in this process
     (accuracy does not depend on torch being importable; no memory is measured here).
+    ``unlabeled_fraction``: the validation subjects adapt on the first fraction of their
+    recordings instead, as the fold's target then does (label-free methods only).
 
     Returns:
         ``{method: LrSelection}`` for every method in ``methods`` that trains.
@@ -427,7 +430,8 @@ def select_learning_rates(ds: WindowDataset, target_subject: int, methods: list[
     acc: dict[str, list[list[float]]] = {m: [[] for _ in grid] for m in trained}
     chosen = []
     for v, split, model in validation_folds(source, target_subject, model_name, n=validation_subjects,
-                                            k_per_class=k_per_class, pretrain_epochs=pretrain_epochs, seed=seed):
+                                            k_per_class=k_per_class, pretrain_epochs=pretrain_epochs, seed=seed,
+                                            unlabeled_fraction=unlabeled_fraction):
         chosen.append(v)
         ad, ev = split.target_adapt, split.target_eval
         for m in trained:

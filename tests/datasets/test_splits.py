@@ -155,5 +155,34 @@ def test_unlabeled_split_refuses_a_fraction_outside_0_1(dataset, fraction):
 def test_unlabeled_split_errors_name_the_subject_and_the_fix(dataset):
     with pytest.raises(ValueError, match=r"subject 9 is not in the dataset"):
         unlabeled_split(dataset, subject=9, fraction=0.5)
-    with pytest.raises(ValueError, match=r"is no window; raise it"):
-        unlabeled_split(dataset, subject=0, fraction=0.01)
+    with pytest.raises(ValueError, match=r"is no window; a fraction of at least 0\.\d+ would give its longest one"):
+        unlabeled_split(dataset, subject=0, fraction=0.01)  # fewer than 100 windows per class
+    unlabeled_split(dataset, subject=0, fraction=np.float32(0.5))  # any real number type
+
+
+def _one_subject_recordings(n_samples: int, window: int, hop_fraction: float):
+    signal = np.arange(n_samples, dtype=np.float64)[:, None]
+    labels = np.repeat([0, 1], n_samples // 2)
+    session = np.repeat([0, 1], n_samples // 2)
+    return windows_from_continuous(signal, labels, np.zeros(n_samples, np.int64), session, sample_rate_hz=1.0,
+                                   window_length_samples=window, overlap_fraction=hop_fraction)
+
+
+def test_unlabeled_split_takes_the_earliest_windows_whatever_the_file_order():
+    ds = _one_subject_recordings(400, 20, 0.5)
+    order = np.random.default_rng(0).permutation(len(ds))  # a file that stores windows out of time order
+    shuffled = ds.subset(order)
+    split = unlabeled_split(shuffled, subject=0, fraction=0.5)
+    for rec in np.unique(shuffled.recording):
+        members = np.flatnonzero(shuffled.recording == rec)
+        starts = np.sort(shuffled.start_sample[members])
+        adapted = np.sort(shuffled.start_sample[np.intersect1d(members, split.adapt_idx)])
+        np.testing.assert_array_equal(adapted, starts[:members.size // 2])
+        evaluated = shuffled.start_sample[np.intersect1d(members, split.eval_idx)]
+        assert evaluated.min() >= adapted.max() + 20  # later, and no sample shared
+
+
+def test_unlabeled_split_of_one_window_recordings_says_no_fraction_can_help():
+    ds = _one_subject_recordings(40, 20, 0.0)  # two recordings of one window each
+    with pytest.raises(ValueError, match="every recording holds one window, so no fraction below 1 can"):
+        unlabeled_split(ds, subject=0, fraction=0.9)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from edgeadapt.datasets import SyntheticConfig, load_watch, make_synthetic
@@ -82,3 +83,28 @@ def test_validation_subjects_adapt_on_the_start_of_their_recordings_when_asked()
         assert own.size // 2 - ds.n_classes < len(expected.adapt_idx) <= own.size // 2  # half of each class
         np.testing.assert_array_equal(split.target_adapt.y, source.y[expected.adapt_idx])
         np.testing.assert_array_equal(split.target_eval.y, source.y[expected.eval_idx])
+
+
+def test_both_selections_on_source_subjects_use_the_study_protocol(tmp_path, monkeypatch):
+    """The learning-rate and the label-free settings' selections hand ``unlabeled_fraction`` to the
+    validation folds, so their source subjects adapt as the fold's target does."""
+    from edgeadapt.harness import label_free, study
+
+    seen = []
+
+    class Seen(Exception):
+        pass
+
+    def spying_folds(*args, **kwargs):
+        seen.append(kwargs.get("unlabeled_fraction"))
+        raise Seen  # only the protocol is checked: no model is trained
+
+    monkeypatch.setattr(study, "validation_folds", spying_folds)
+    ds = make_synthetic(SyntheticConfig(n_subjects=3, windows_per_subject=24, n_time_steps=32))
+    with pytest.raises(Seen):
+        study.select_learning_rates(ds, 2, ["entropy"], "cnn", workdir=tmp_path, k_per_class=2, epochs=1,
+                                    pretrain_epochs=1, unlabeled_fraction=0.5)
+    with pytest.raises(Seen):
+        label_free.select_label_free_settings(ds, 2, "cnn", workdir=tmp_path, k_per_class=2, pretrain_epochs=1,
+                                              unlabeled_fraction=0.5)
+    assert seen == [0.5, 0.5]
