@@ -542,6 +542,34 @@ def test_cli_adapt_unlabeled(tmp_path, toy_bundle, capsys, stream):
         assert report["stats_layer_weights"]["bn.running_mean"] > 0.9
 
 
+def test_cli_puts_a_shuffled_file_back_in_recording_order_for_label_free_adaptation(tmp_path, toy_bundle):
+    """The statistics' noise is measured on groups of neighbouring windows: a file that stores its
+    windows shuffled but says where each came from is read in recording order (by recording, then
+    start time); a file that does not say is read as stored."""
+    import argparse
+
+    from edgeadapt.bundle import read_manifest
+    from edgeadapt.cli.common import load_data
+    from edgeadapt.datasets import WindowDataset
+
+    X, y = balanced(8)
+    recording = np.repeat(np.arange(N_CLASSES), 8).astype(np.int64)  # one recording per activity
+    start = (np.tile(np.arange(8), N_CLASSES) * TIME_STEPS).astype(np.int64)
+    shuffle = np.random.default_rng(1).permutation(len(X))
+    names = tuple(f"c{k}" for k in range(N_CLASSES)), tuple(f"ch{k}" for k in range(N_CLASSES))
+    stored = WindowDataset(X[shuffle], y[shuffle].astype(np.int64), np.zeros(len(y), np.int64), *names, None,
+                           recording=recording[shuffle], start_sample=start[shuffle])
+    manifest = read_manifest(toy_bundle, verify=False)
+    args = argparse.Namespace(data=str(stored.save_npz(tmp_path / "shuffled.npz")), sample_rate_hz=None)
+    read, _ = load_data(args, manifest, labels=False)
+    np.testing.assert_array_equal(read, X)  # back in recording order
+    labelled, _ = load_data(args, manifest, labels=True, accuracy=True)
+    np.testing.assert_array_equal(labelled, X[shuffle])  # labelled adaptation shuffles anyway: as stored
+    unknown = WindowDataset(X[shuffle], y[shuffle].astype(np.int64), np.zeros(len(y), np.int64), *names, None)
+    args.data = str(unknown.save_npz(tmp_path / "no_recordings.npz"))
+    np.testing.assert_array_equal(load_data(args, manifest, labels=False)[0], X[shuffle])
+
+
 def test_cli_adapt_unlabeled_reads_a_file_without_labels_or_subjects(tmp_path, toy_bundle, capsys):
     import json
 
