@@ -161,6 +161,15 @@ class WindowDataset:
         """Sorted unique subject ids, ``int64``."""
         return np.unique(self.subject)
 
+    def recording_order(self) -> np.ndarray:
+        """Window indices in recording order (by ``recording``, then ``start_sample``) when the
+        dataset knows where its windows came from; otherwise ``0 .. len - 1`` (as stored).
+        Label-free adaptation wants its windows so: it measures its statistics' noise on groups of
+        neighbouring windows (``ds.subset(ds.recording_order())``)."""
+        if self.recording is None or self.start_sample is None:
+            return np.arange(len(self), dtype=np.int64)
+        return np.lexsort((self.start_sample, self.recording)).astype(np.int64)
+
     def subset(self, mask_or_indices: np.ndarray | Sequence[int] | Sequence[bool]) -> WindowDataset:
         """The windows selected by a boolean mask or by integer indices, as a new dataset.
 

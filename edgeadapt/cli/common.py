@@ -70,25 +70,14 @@ def load_data(args: argparse.Namespace, manifest, labels: bool = True, accuracy:
         check_stored_windows(manifest, ds.X, path)
     X = check_inputs(manifest, ds.X, what=f"{path} (X)")
     if not labels:  # label-free: the file's labels, if any, are not read
-        return X[recording_order(ds, path)], None
+        order = ds.recording_order()  # neighbours form the statistics' noise groups
+        if np.any(order != np.arange(len(order))):
+            log.info("%s: windows put in recording order (by recording, then start) for label-free adaptation", path)
+        return X[order], None
     if accuracy and manifest.label is None:
         return X, check_class_ids(ds.y, len(X), manifest.output.shape[-1], what=f"{path} (y)")
     y = ds.y if labels and manifest.label is not None else None
     return X, check_labels(manifest, y, len(X), what=f"{path} (y)")
-
-
-def recording_order(ds, path: Path) -> np.ndarray:
-    """The windows' indices in recording order (by recording, then start time) when the file says
-    where each window came from; otherwise the file's order. Label-free adaptation measures its
-    statistics' noise on groups of neighbouring windows, so shuffled windows would look like
-    independent evidence and move the statistics further than it supports."""
-    order = np.arange(len(ds.X))
-    if ds.recording is None or ds.start_sample is None:
-        return order
-    order = np.lexsort((ds.start_sample, ds.recording))
-    if np.any(order != np.arange(len(order))):
-        log.info("%s: windows put in recording order (by recording, then start) for label-free adaptation", path)
-    return order
 
 
 def data_layout(path: Path) -> tuple[list[str], bool]:

@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from edgeadapt.datasets import WindowDataset, read_npz
+from edgeadapt.datasets import WindowDataset, read_npz, windows_from_continuous
 
 
 def test_properties(small_dataset):
@@ -170,3 +170,17 @@ def test_read_npz_names_the_file_and_the_problem(tmp_path):
         read_npz(objects)
     with pytest.raises(ValueError, match=r"objects.npz: Object arrays cannot be loaded"):
         WindowDataset.load_npz(objects)
+
+
+def test_recording_order_sorts_by_recording_then_start_and_keeps_files_that_do_not_say():
+    signal = np.arange(300, dtype=np.float64)[:, None]
+    ds = windows_from_continuous(signal, np.repeat([0, 1], 150), np.zeros(300, np.int64), np.repeat([0, 1], 150),
+                                 sample_rate_hz=1.0, window_length_samples=20, overlap_fraction=0.5)
+    np.testing.assert_array_equal(ds.recording_order(), np.arange(len(ds)))  # cut in order already
+    shuffled = ds.subset(np.random.default_rng(0).permutation(len(ds)))
+    back = shuffled.subset(shuffled.recording_order())
+    np.testing.assert_array_equal(back.X, ds.X)
+    keys = list(zip(back.recording.tolist(), back.start_sample.tolist()))
+    assert keys == sorted(keys)
+    bare = dataclasses.replace(shuffled, recording=None, start_sample=None)
+    np.testing.assert_array_equal(bare.recording_order(), np.arange(len(bare)))
