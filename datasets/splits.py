@@ -150,12 +150,12 @@ def unlabeled_split(dataset: WindowDataset, subject: int, fraction: float) -> Fe
     own = np.flatnonzero(dataset.subject == subject)
     if own.size == 0:
         raise ValueError(f"subject {subject} is not in the dataset (subjects: {dataset.subjects.tolist()})")
-    pieces = dataset.recording[own] if dataset.recording is not None else dataset.y[own]
+    order = dataset.recording_order()  # the earliest windows first, whatever the file's order
+    ordered = order[dataset.subject[order] == subject]
+    pieces = dataset.recording[ordered] if dataset.recording is not None else dataset.y[ordered]
     adapt_parts = []
     for piece in np.unique(pieces):
-        members = own[pieces == piece]
-        if dataset.recording is not None:  # the earliest windows of the recording, whatever the file's order
-            members = members[np.argsort(dataset.start_sample[members], kind="stable")]
+        members = ordered[pieces == piece]
         # a recording too short for one window at this fraction goes wholly to evaluation
         adapt_parts.append(members[:int(np.floor(fraction * members.size))])
     adapt = np.sort(np.concatenate(adapt_parts)).astype(np.int64)
