@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
+import numpy as np
 import pytest
 import torch
 from helpers import make_cnn, strip_plan
@@ -181,3 +182,37 @@ def test_plan_unlabeled_reports_the_label_free_call_within_the_budget(tmp_path, 
     text = capsys.readouterr().out
     assert "label-free   adapt_unlabeled over 32 windows" in text and "anonymous (RssAnon)" in text
     assert main(["plan", str(out), "--unlabeled", "--batch-windows", "4"]) == 2  # adapt's option: refused
+
+
+def test_plan_unlabeled_predicts_the_call_of_a_bundle_without_a_budget(tmp_path, capsys):
+    """Without a budget nothing is fitted, but the bundle's plan and graph still predict the call
+    at its default passes, as `plan` predicts `adapt` without a budget."""
+    out = tmp_path / "lf"
+    assert _export_cli(out, "--loss", "entropy", "--batchnorm", "batch", "--policy", "bias-norm",
+                       "--backend", "ort-training") == 0
+    capsys.readouterr()
+    assert main(["plan", str(out), "--unlabeled", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["budget_bytes"] is None
+    peak = report["predicted"]
+    assert peak is not None and peak["peak_bytes"] > report["held_bytes"]
+    assert peak["peak_bytes"] == max(peak["phases_bytes"].values())  # the largest phase is the peak
+    from edgeadapt import sched
+    from edgeadapt.runtime.unlabeled import VIEW_BYTES_PER_INPUT_BYTE
+
+    manifest = read_manifest(out, verify=False)
+
+    window_bytes = int(np.prod(manifest.input.shape[1:])) * 4
+    adapted = report["n_windows"] - report["gate_windows"]  # 32 - 8: no pass is larger than that
+
+    def predicted(passes: int, stats: int) -> int:
+        return sched.predict_label_free(
+            sched.Graph.from_dict(manifest.graph), sched.Plan.from_dict(manifest.plan),
+            sched.CostModel.default("ort-training"), held_bytes=report["held_bytes"], pass_windows=passes,
+            stats_windows=stats, view_bytes_per_window=VIEW_BYTES_PER_INPUT_BYTE * window_bytes).peak_bytes
+
+    assert adapted < report["pass_windows"] and adapted < report["stats_windows"]
+    assert peak["peak_bytes"] == predicted(adapted, adapted)  # the planner's figure at the call's passes
+    assert peak["peak_bytes"] < predicted(report["pass_windows"], report["stats_windows"])
+    assert main(["plan", str(out), "--unlabeled"]) == 0
+    assert "  predicted  " in capsys.readouterr().out

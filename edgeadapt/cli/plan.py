@@ -264,7 +264,7 @@ def label_free_report(bundle_dir: str | os.PathLike, *, n_windows: int | None = 
     settings = UnlabeledSettings()
     runner = Runner.load(bundle_dir, device="cpu", threads=1)
     return {"bundle": str(bundle_dir), "engine": runner.backend, "n_windows": n,
-            **UnlabeledAdapter(runner, settings, gate_rows=held_back_windows(settings, n)).plan()}
+            **UnlabeledAdapter(runner, settings, gate_rows=held_back_windows(settings, n)).plan(n)}
 
 
 def format_label_free(r: dict[str, Any], measured: dict[str, Any] | None = None) -> str:
@@ -280,7 +280,8 @@ def format_label_free(r: dict[str, Any], measured: dict[str, Any] | None = None)
            f"  held       {format_bytes(r['held_bytes'])} (source copies, sums, the gate's windows)"]
     peak = r["predicted"]
     if peak is not None:
-        out.append(f"  predicted  {format_bytes(peak['peak_bytes'])} at {peak['where']}")
+        out.append(f"  predicted  {format_bytes(peak['peak_bytes'])} at {peak['where']} (the bound a budget is "
+                   "checked against)")
         out.extend(_phase_lines(peak))
     if measured is not None:
         out.append("  measured   fresh torch-free process as a user has it (edgeadapt.measure)")

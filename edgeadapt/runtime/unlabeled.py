@@ -340,11 +340,36 @@ class UnlabeledAdapter:
             held_bytes=self._held_bytes(), max_pass_windows=INFERENCE_BATCH_WINDOWS,
             max_stats_windows=STATS_BATCH_WINDOWS if self._stats_on else None,
             min_stats_windows=STATS_GROUP_WINDOWS if self.settings.stats_weighting == "shrinkage" else 1,
-            view_bytes_per_window=VIEW_BYTES_PER_INPUT_BYTE * _window_bytes(self.runner.manifest),
-            entropy_steps=self._entropy_on)
+            view_bytes_per_window=self._view_bytes_per_window(), entropy_steps=self._entropy_on)
         self._pass_windows, self.predicted = passes.pass_windows, passes.predicted
         self._stats_windows = passes.stats_windows or STATS_BATCH_WINDOWS
         self._entropy_batch = min(self.settings.batch_size, passes.entropy_step_windows or self.settings.batch_size)
+
+    def _view_bytes_per_window(self) -> int:
+        return VIEW_BYTES_PER_INPUT_BYTE * _window_bytes(self.runner.manifest)
+
+    def predicted_peak(self, n_windows: int | None = None):
+        """The call's predicted peak (``sched.Peak``): under a budget, that of the passes fitted
+        to it; without one, from the bundle's plan and graph with its engine's constants, for
+        passes of the default size or, given the call's ``n_windows``, no larger than the windows
+        it adapts on or holds back (``None`` when the bundle carries no plan, or no stage runs).
+        Imports the planner: for reports (``edgeadapt plan --unlabeled``), never during a call."""
+        if self.predicted is not None or not self._adapts():
+            return self.predicted
+        manifest = self.runner.manifest
+        if not manifest.plan or manifest.graph is None:
+            return None
+        from .. import sched
+
+        passes, stats = self._pass_windows, self._stats_windows if self._stats_on else None
+        if n_windows is not None:
+            gate = self._gate_rows if self.settings.gate else 0
+            passes = max(1, min(passes, max(n_windows - gate, gate)))
+            stats = None if stats is None else max(1, min(stats, n_windows - gate))
+        return sched.predict_label_free(
+            sched.Graph.from_dict(manifest.graph), sched.Plan.from_dict(manifest.plan),
+            sched.CostModel.default(self.runner.backend), held_bytes=self._held_bytes(), pass_windows=passes,
+            stats_windows=stats, view_bytes_per_window=self._view_bytes_per_window(), entropy_steps=self._entropy_on)
 
     def _prototypes_on(self) -> bool:
         return self._head is not None and self.settings.prototype_mix > 0
@@ -353,17 +378,18 @@ class UnlabeledAdapter:
         """Whether any stage is on (otherwise the call holds nothing back and runs no pass)."""
         return self._stats_on or self._entropy_on or self._prototypes_on()
 
-    def plan(self) -> dict:
+    def plan(self, n_windows: int | None = None) -> dict:
         """How the call is carried out under the bundle's budget (JSON-able): the stages that
         will run and those skipped, windows per inference / statistics pass and per entropy step,
-        what the adapter holds, and the predicted peak (``None`` without a budget)."""
+        what the adapter holds, and the predicted peak (:meth:`predicted_peak` for a call of
+        ``n_windows``)."""
         return {"stages": [name for name, on in (("stats", self._stats_on), ("entropy", self._entropy_on),
                                                  ("prototypes", self._prototypes_on())) if on],
                 "skipped": list(self._skipped), "gate_windows": self._gate_rows if self.settings.gate else 0,
                 "pass_windows": self._pass_windows, "stats_windows": self._stats_windows if self._stats_on else None,
                 "entropy_step_windows": self._entropy_batch if self._entropy_on else None,
                 "held_bytes": self._held_bytes(),
-                "predicted": None if self.predicted is None else self.predicted.to_dict(),
+                "predicted": None if (peak := self.predicted_peak(n_windows)) is None else peak.to_dict(),
                 "budget_bytes": self.runner._call_plan.budget_bytes}
 
     # ---- accumulators -------------------------------------------------------------------
