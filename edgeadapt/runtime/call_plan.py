@@ -15,7 +15,8 @@ when nothing fits. Bundles without a budget (a hand-written policy) are not chec
 
 Calls are predicted with the cost constants of the engine that runs them
 (:meth:`edgeadapt.sched.CostModel.default`). The scheduler and the plan are loaded with the
-runner (:class:`CallPlan` is built at load), so nothing is imported during ``adapt``.
+runner (:class:`CallPlan` is built at load), so nothing is imported during ``adapt``; without a
+budget they are loaded only when a report asks for a prediction (:meth:`CallPlan.predict_label_free`).
 """
 
 from __future__ import annotations
@@ -51,20 +52,40 @@ class CallPlan:
     """The bundle's plan and budget, ready to check calls (see the module docstring)."""
 
     def __init__(self, manifest: Manifest, engine: str):
-        plan = manifest.plan or {}
-        self.budget_bytes = plan.get("budget_bytes")
+        self._manifest, self._engine = manifest, engine
+        self.budget_bytes = (manifest.plan or {}).get("budget_bytes")
         self._plan = self._graph = None
-        if self.budget_bytes is None or manifest.graph is None:
-            return
+        if self.budget_bytes is not None:
+            self._load_plan()
+
+    def _load_plan(self) -> bool:
+        """Parse the manifest's plan and graph and load the scheduler (once); ``False`` when the
+        bundle carries none. Done at load for a budget; without one only for reports
+        (:meth:`predict_label_free`), so an unbudgeted call imports nothing."""
+        if self._plan is not None:
+            return True
+        manifest = self._manifest
+        if not manifest.plan or manifest.graph is None:
+            return False
         from .. import sched
 
         self._sched = sched
-        self._cost = sched.CostModel.default(engine)
+        self._cost = sched.CostModel.default(self._engine)
         try:
-            self._plan = sched.Plan.from_dict(plan)
+            self._plan = sched.Plan.from_dict(manifest.plan)
             self._graph = sched.Graph.from_dict(manifest.graph)
         except (KeyError, TypeError, ValueError) as e:
             raise BundleError(f"the manifest's plan or graph is malformed ({e}); re-export the bundle") from None
+        return True
+
+    def predict_label_free(self, **kwargs):
+        """The predicted peak (``sched.Peak``) of a label-free call with the given passes
+        (:func:`edgeadapt.sched.predict_label_free`'s keyword arguments), budget or not; ``None``
+        when the bundle carries no plan. Without a budget this loads the scheduler: for reports,
+        not during a call."""
+        if not self._load_plan():
+            return None
+        return self._sched.predict_label_free(self._graph, self._plan, self._cost, **kwargs)
 
     def micro_batch(self, n_windows: int, batch_windows: int, micro: int, explicit: bool, fixed: bool) -> int:
         """The micro-batch a call of ``n_windows`` windows in steps of ``batch_windows`` runs with.
@@ -79,7 +100,7 @@ class CallPlan:
             BudgetExceeded: the call cannot be planned within the budget (no work done yet).
         """
         plan = self._plan
-        if plan is None:
+        if self.budget_bytes is None or plan is None:  # no budget: not checked (a report may have parsed the plan)
             return micro
         grows = plan.cache_features and n_windows > plan.n_windows
         if not grows and micro <= plan.micro_batch_windows:
@@ -130,13 +151,13 @@ class CallPlan:
             BudgetExceeded: even the smallest passes do not fit (nothing was done yet).
         """
         plan = self._plan
-        if plan is None:
+        if self.budget_bytes is None or plan is None:
             return LabelFreePasses(max_pass_windows, max_stats_windows, None, None)
 
         def peak(pass_windows: int, stats_windows: int | None):
-            return self._sched.predict_label_free(
-                self._graph, plan, self._cost, held_bytes=held_bytes, pass_windows=pass_windows,
-                stats_windows=stats_windows, view_bytes_per_window=view_bytes_per_window, entropy_steps=entropy_steps)
+            return self.predict_label_free(held_bytes=held_bytes, pass_windows=pass_windows,
+                                           stats_windows=stats_windows, view_bytes_per_window=view_bytes_per_window,
+                                           entropy_steps=entropy_steps)
 
         stats = None
         if max_stats_windows is not None:

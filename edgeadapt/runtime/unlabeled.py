@@ -356,20 +356,14 @@ class UnlabeledAdapter:
         Imports the planner: for reports (``edgeadapt plan --unlabeled``), never during a call."""
         if self.predicted is not None or not self._adapts():
             return self.predicted
-        manifest = self.runner.manifest
-        if not manifest.plan or manifest.graph is None:
-            return None
-        from .. import sched
-
         passes, stats = self._pass_windows, self._stats_windows if self._stats_on else None
         if n_windows is not None:
             gate = self._gate_rows if self.settings.gate else 0
             passes = max(1, min(passes, max(n_windows - gate, gate)))
             stats = None if stats is None else max(1, min(stats, n_windows - gate))
-        return sched.predict_label_free(
-            sched.Graph.from_dict(manifest.graph), sched.Plan.from_dict(manifest.plan),
-            sched.CostModel.default(self.runner.backend), held_bytes=self._held_bytes(), pass_windows=passes,
-            stats_windows=stats, view_bytes_per_window=self._view_bytes_per_window(), entropy_steps=self._entropy_on)
+        return self.runner._call_plan.predict_label_free(
+            held_bytes=self._held_bytes(), pass_windows=passes, stats_windows=stats,
+            view_bytes_per_window=self._view_bytes_per_window(), entropy_steps=self._entropy_on)
 
     def _prototypes_on(self) -> bool:
         return self._head is not None and self.settings.prototype_mix > 0

@@ -126,3 +126,21 @@ def test_label_free_passes_without_a_budget_are_the_maxima():
     cp = CallPlan(SimpleNamespace(plan=None, graph=None), "ort-training")
     assert cp.label_free_passes(held_bytes=0, max_pass_windows=256, max_stats_windows=64, min_stats_windows=4,
                                 view_bytes_per_window=0, entropy_steps=True) == (256, 64, None, None)
+
+
+def test_a_report_on_a_bundle_without_a_budget_predicts_but_leaves_calls_unchecked():
+    """A plan without a budget (a hand-written policy) still predicts a label-free call for a
+    report; its calls stay unchecked afterwards, and without a plan there is nothing to predict."""
+    g, plan = _cached_plan()
+    unbudgeted = replace(plan, budget_bytes=None)
+    cp = CallPlan(_manifest(g, unbudgeted), "ort-training")
+    assert cp.budget_bytes is None
+    kwargs = dict(held_bytes=1000, pass_windows=8, stats_windows=4, view_bytes_per_window=64)
+    from edgeadapt.sched import CostModel, predict_label_free
+
+    peak = cp.predict_label_free(**kwargs)
+    assert peak == predict_label_free(g, unbudgeted, CostModel.default("ort-training"), **kwargs)
+    assert cp.micro_batch(10**6, 512, 512, True, False) == 512  # still not checked
+    assert cp.label_free_passes(held_bytes=0, max_pass_windows=256, max_stats_windows=64, min_stats_windows=4,
+                                view_bytes_per_window=0, entropy_steps=True) == (256, 64, None, None)
+    assert CallPlan(SimpleNamespace(plan=None, graph=None), "ort-training").predict_label_free(**kwargs) is None
