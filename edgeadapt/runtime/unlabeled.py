@@ -75,9 +75,11 @@ __all__ = ["UnlabeledSettings", "UnlabeledResult", "UnlabeledAdapter", "held_bac
 log = logging.getLogger(__name__)
 
 _STATS_SUFFIXES = ("running_mean", "running_var")
-# Windows per forward-only statistics pass (bounds its activations; batches of a stream are
-# smaller), and per inference pass (logits, head features, the gate's views).
-STATS_BATCH_WINDOWS = 64
+# Windows per forward-only statistics pass (bounds its activations: a pass holds every layer's
+# activations of its windows; batches of a stream are smaller), and per inference pass (logits,
+# head features, the gate's views). The passes interleave the batch's windows, so each one
+# normalises its deeper layers with statistics of all the batch's activities.
+STATS_BATCH_WINDOWS = 16
 INFERENCE_BATCH_WINDOWS = 256
 # "shrinkage": windows per group whose statistics measure the sampling noise (each batch of a
 # stream is cut into groups of at most this many), and the fewest groups the noise needs;
@@ -474,11 +476,15 @@ class UnlabeledAdapter:
                 for n in self._stats_sum}
 
     def _target_statistics(self, X: np.ndarray) -> None:
-        """Add the windows' per-channel statistics to the sums: pooled over passes of at most
-        ``STATS_BATCH_WINDOWS`` windows, and (``"shrinkage"``) per group of at most
+        """Add the windows' per-channel statistics to the sums: pooled over interleaved passes of
+        at most ``STATS_BATCH_WINDOWS`` windows, and (``"shrinkage"``) per group of at most
         ``STATS_GROUP_WINDOWS`` consecutive windows for the sampling noise."""
-        for start in range(0, len(X), self._stats_windows):
-            part = X[start:start + self._stats_windows]
+        # Pass j takes windows j, j + k, j + 2k, ... of the k passes: every pass spans the whole
+        # batch (all its activities), so the pass statistics that normalise its deeper layers
+        # are those of the batch, however small the passes the budget allows.
+        n_passes = -(-len(X) // self._stats_windows)
+        for j in range(n_passes):
+            part = X[np.arange(j, len(X), n_passes)]
             for n, (mean, var) in self._batch_statistics(part).items():
                 self._stats_sum[n] += len(part) * mean
                 self._stats_sq[n] += len(part) * (var + mean * mean)
