@@ -6,7 +6,7 @@ importing the code that runs the study.
 
 from __future__ import annotations
 
-__all__ = ["LABEL_FREE_DEFAULTS", "UNLABELED_METHOD_SETTINGS", "ENTROPY_STAGE", "LABEL_FREE_GRID"]
+__all__ = ["LABEL_FREE_DEFAULTS", "UNLABELED_METHOD_SETTINGS", "LABEL_FREE_GRID"]
 
 # The recommended method's settings (UnlabeledSettings fields not named keep their defaults):
 # statistics weighted by the evidence of a shift (empirical Bayes), the prototype head and the
@@ -22,14 +22,6 @@ UNLABELED_METHOD_SETTINGS: dict[str, dict] = {
     "label-free": LABEL_FREE_DEFAULTS,
 }
 
-# The entropy stage as the selection may switch it on: Tent's strength in the study (its rate,
-# study.FIXED_LR, and about as many steps as its 40 epochs of 16-window batches take on 80
-# windows), but only on reliable windows (normalised entropy < 0.4) and pulled 1 % of the way
-# back to the source values after every step. Set before any run, not tuned.
-ENTROPY_STAGE: dict = {"entropy_steps": 200, "lr": 3e-3, "entropy_threshold": 0.4, "anchor": 0.01}
-
 # What the selection tries for label-free (each with the gate on): with and without the
-# prototype head, and with the entropy stage added (the statistics' weight needs no choosing:
-# the evidence sets it).
-LABEL_FREE_GRID: tuple[dict, ...] = (*({**LABEL_FREE_DEFAULTS, "prototype_mix": mix} for mix in (0.3, 0.0)),
-                                     {**LABEL_FREE_DEFAULTS, **ENTROPY_STAGE})
+# prototype head (the statistics' weight needs no choosing: the evidence sets it).
+LABEL_FREE_GRID: tuple[dict, ...] = tuple({**LABEL_FREE_DEFAULTS, "prototype_mix": mix} for mix in (0.3, 0.0))
