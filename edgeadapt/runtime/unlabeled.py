@@ -44,10 +44,11 @@ held-back windows and keeps the adaptation or returns to the source model;
 Memory is bounded: the adapter holds a copy of the tensors it may change (the source values),
 the per-channel and per-class sums, and at most ``gate_windows`` held-back windows; it runs
 inference and statistics passes of at most ``INFERENCE_BATCH_WINDOWS`` / ``STATS_BATCH_WINDOWS``
-windows (the statistics passes interleave a batch's windows, so each spans all of it) and builds the gate's views one pass at a time; a stream of any length adds nothing
-(``Runner.adapt_stream``). Under a bundle's memory budget the passes are the largest whose
-predicted peak fits (:func:`edgeadapt.sched.predict_label_free`), or the call is refused before
-any work (``BudgetExceeded``).
+windows (the statistics passes interleave a batch's windows, so each spans all of it) and builds
+the gate's views one pass at a time; a stream of any length adds nothing (``Runner.adapt_stream``).
+Under a bundle's memory budget the passes are the largest whose predicted peak fits
+(:func:`edgeadapt.sched.predict_label_free`), or the call is refused before any work
+(``BudgetExceeded``).
 """
 
 from __future__ import annotations
