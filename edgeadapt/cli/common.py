@@ -71,8 +71,9 @@ def load_data(args: argparse.Namespace, manifest, labels: bool = True, accuracy:
     X = check_inputs(manifest, ds.X, what=f"{path} (X)")
     if not labels:  # label-free: the file's labels, if any, are not read
         order = ds.recording_order()  # neighbours form the statistics' noise groups
-        if np.any(order != np.arange(len(order))):
-            log.info("%s: windows put in recording order (by recording, then start) for label-free adaptation", path)
+        if np.all(order == np.arange(len(order))):
+            return X, None  # already in recording order: no copy of the data
+        log.info("%s: windows put in recording order (by recording, then start) for label-free adaptation", path)
         return X[order], None
     if accuracy and manifest.label is None:
         return X, check_class_ids(ds.y, len(X), manifest.output.shape[-1], what=f"{path} (y)")

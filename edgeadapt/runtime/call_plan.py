@@ -78,6 +78,11 @@ class CallPlan:
             raise BundleError(f"the manifest's plan or graph is malformed ({e}); re-export the bundle") from None
         return True
 
+    def _budget_plan(self):
+        """The plan calls are checked against: ``None`` without a budget (a report may still have
+        parsed the plan, :meth:`predict_label_free`) or without a plan."""
+        return self._plan if self.budget_bytes is not None else None
+
     def predict_label_free(self, **kwargs):
         """The predicted peak (``sched.Peak``) of a label-free call with the given passes
         (:func:`edgeadapt.sched.predict_label_free`'s keyword arguments), budget or not; ``None``
@@ -99,8 +104,8 @@ class CallPlan:
         Raises:
             BudgetExceeded: the call cannot be planned within the budget (no work done yet).
         """
-        plan = self._plan
-        if self.budget_bytes is None or plan is None:  # no budget: not checked (a report may have parsed the plan)
+        plan = self._budget_plan()
+        if plan is None:
             return micro
         grows = plan.cache_features and n_windows > plan.n_windows
         if not grows and micro <= plan.micro_batch_windows:
@@ -150,8 +155,8 @@ class CallPlan:
         Raises:
             BudgetExceeded: even the smallest passes do not fit (nothing was done yet).
         """
-        plan = self._plan
-        if self.budget_bytes is None or plan is None:
+        plan = self._budget_plan()
+        if plan is None:
             return LabelFreePasses(max_pass_windows, max_stats_windows, None, None)
 
         def peak(pass_windows: int, stats_windows: int | None):
