@@ -16,6 +16,8 @@ Per op:
   nothing -- each tensor counted once, at the last op that re-reads it; a GRU or LSTM also every
   step's hidden state and gate activations, which its training form keeps for the backward
   (:func:`recurrent_state_bytes`);
+* ``kernel_bytes``: a GRU's or LSTM's kernel buffers while its forward runs (every step's gates:
+  :func:`recurrent_kernel_bytes`), which no graph tensor shows;
 * ``flops``: multiply-adds x 2 for Conv/Gemm/MatMul, one per output element otherwise.
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import replace
 from collections.abc import Iterable
 
 import onnx
@@ -32,7 +35,8 @@ from ..bundle import ParameterEntry
 from ..sched.ir import Graph, Op, Param
 from .op_rewrites import lacks_gradient
 
-__all__ = ["graph_from_onnx", "module_path_of_node", "recurrent_state_bytes", "SAVES_OUTPUT", "SAVES_NOTHING"]
+__all__ = ["graph_from_onnx", "module_path_of_node", "recurrent_state_bytes", "recurrent_kernel_bytes", "SAVES_OUTPUT",
+           "SAVES_NOTHING"]
 
 log = logging.getLogger(__name__)
 
@@ -90,27 +94,56 @@ def _numel(value_info, name: str) -> int:
 # update, reset and candidate gates (3); LSTMTraining: every hidden state (1), every cell state (1)
 # and the input, output, forget and cell gates (4).
 _RECURRENT_KEPT_PER_HIDDEN = {"GRU": 4, "LSTM": 6}
+# Per step and direction, in units of the hidden size: the buffers a recurrent node's forward kernel
+# allocates beyond its graph output (every hidden state) and frees when it returns. The training
+# form (LSTMTraining, GRUTraining: a frozen layer of a training graph runs it too) writes the kept
+# tensors above, of which the unread ones are dropped after it (LSTM 5, GRU 3); the inference
+# kernel writes every step's gates to a buffer of its own (LSTM 4, GRU 3). The larger of the two.
+_RECURRENT_KERNEL_PER_HIDDEN = {"GRU": 3, "LSTM": 5}
 
 
-def recurrent_state_bytes(node: onnx.NodeProto, value_info: dict[str, onnx.ValueInfoProto]) -> int:
-    """Per-window bytes a GRU or LSTM node keeps for its backward beyond its inputs (0 for any other
-    node): ``steps x directions x hidden_size x`` the kept tensors per hidden unit
-    (:data:`_RECURRENT_KEPT_PER_HIDDEN`), in the input's element size. ``steps`` is the input's
-    sequence axis (axis 0, or 1 with ``layout=1``)."""
-    per_hidden = _RECURRENT_KEPT_PER_HIDDEN.get(node.op_type)
-    if per_hidden is None:
-        return 0
+def _recurrent_dims(node: onnx.NodeProto, value_info: dict[str, onnx.ValueInfoProto]) -> tuple[int, int, int, int, int]:
+    """(steps, directions, hidden_size, input size, element bytes) of a GRU or LSTM node, after
+    shape inference with a batch of one. ``steps`` is the input's sequence axis (axis 0, or 1 with
+    ``layout=1``)."""
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     hidden = int(attrs.get("hidden_size", 0))
     direction = attrs.get("direction", b"forward")
-    directions = 2 if (direction.decode() if isinstance(direction, bytes) else direction) == "bidirectional" else 1
+    direction = direction.decode() if isinstance(direction, bytes) else direction
+    directions = 2 if direction == "bidirectional" else 1
     vi = value_info.get(node.input[0])
     dims = [d.dim_value for d in vi.type.tensor_type.shape.dim] if vi is not None else []
     axis = 1 if int(attrs.get("layout", 0)) == 1 else 0
     if hidden <= 0 or len(dims) < 3 or dims[axis] <= 0:
         raise ValueError(f"{node.op_type} node {node.name!r} has no static sequence length or hidden_size after "
                          "shape inference; export with a fixed window length")
-    return dims[axis] * directions * hidden * per_hidden * _elem_bytes(vi.type.tensor_type.elem_type)
+    return dims[axis], directions, hidden, dims[-1], _elem_bytes(vi.type.tensor_type.elem_type)
+
+
+def recurrent_state_bytes(node: onnx.NodeProto, value_info: dict[str, onnx.ValueInfoProto]) -> int:
+    """Per-window bytes a GRU or LSTM node keeps for its backward beyond its inputs (0 for any other
+    node): ``steps x directions x hidden_size x`` the kept tensors per hidden unit
+    (:data:`_RECURRENT_KEPT_PER_HIDDEN`), in the input's element size."""
+    per_hidden = _RECURRENT_KEPT_PER_HIDDEN.get(node.op_type)
+    if per_hidden is None:
+        return 0
+    steps, directions, hidden, _, elem = _recurrent_dims(node, value_info)
+    return steps * directions * hidden * per_hidden * elem
+
+
+def recurrent_kernel_bytes(node: onnx.NodeProto, value_info: dict[str, onnx.ValueInfoProto]) -> int:
+    """Per-window bytes a GRU or LSTM node's forward kernel allocates beyond the graph's tensors and
+    frees when it returns (0 for any other node): ``steps x directions x hidden_size x``
+    :data:`_RECURRENT_KERNEL_PER_HIDDEN`, plus, for a reverse or bidirectional node, the inference
+    kernel's reversed copies of the input and of the output (``steps x (input + hidden_size)``)."""
+    per_hidden = _RECURRENT_KERNEL_PER_HIDDEN.get(node.op_type)
+    if per_hidden is None:
+        return 0
+    steps, directions, hidden, inputs, elem = _recurrent_dims(node, value_info)
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    direction = attrs.get("direction", b"forward")
+    reverse = (direction.decode() if isinstance(direction, bytes) else direction) != "forward"
+    return (steps * directions * hidden * per_hidden + (steps * (inputs + hidden) if reverse else 0)) * elem
 
 
 def _with_batch_one(model: onnx.ModelProto, input_shape: Iterable[int]) -> onnx.ModelProto:
@@ -222,6 +255,7 @@ def graph_from_onnx(model_proto: onnx.ModelProto, entries: Iterable[ParameterEnt
     # Saved tensors per group, each attributed to the last group that re-reads it.
     saved_by: dict[str, int] = {}
     state_bytes = [sum(recurrent_state_bytes(n, vi) for n in grp["nodes"]) for grp in groups]
+    kernel_bytes = [sum(recurrent_kernel_bytes(n, vi) for n in grp["nodes"]) for grp in groups]
     for gi, grp in enumerate(groups):
         for node in grp["nodes"]:
             if node.op_type in SAVES_NOTHING:
@@ -258,6 +292,7 @@ def graph_from_onnx(model_proto: onnx.ModelProto, entries: Iterable[ParameterEnt
             flops=sum(_flops(n, vi, inits) for n in grp["nodes"]),
             module=base,
             differentiable=not any(lacks_gradient(n) for n in grp["nodes"]),
+            kernel_bytes=kernel_bytes[gi],
         ))
     params = []
     for e in entries:
@@ -270,8 +305,7 @@ def graph_from_onnx(model_proto: onnx.ModelProto, entries: Iterable[ParameterEnt
         module = e.name.rsplit(".", 1)[0] if "." in e.name else ""
         params.append(Param(e.name, tuple(e.shape), dtype_bytes, module, module_types.get(module, "")))
     known = {p.name for p in params}
-    ops = [Op(o.name, o.kind, tuple(p for p in o.params if p in known), o.inputs, o.output_bytes, o.saved_bytes,
-              o.workspace_bytes, o.flops, o.module, o.differentiable) for o in ops]
+    ops = [replace(o, params=tuple(p for p in o.params if p in known)) for o in ops]
     return Graph(tuple(ops), tuple(params), nbytes(input_name), name or g.name or "model")
 
 

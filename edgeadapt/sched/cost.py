@@ -250,7 +250,8 @@ def needs_grad(graph: Graph, trained_params: set[str], start: int = 0) -> list[b
 
 
 def live_bytes(graph: Graph) -> list[int]:
-    """Per op: forward bytes per window alive while it runs (live tensors, its output, workspace).
+    """Per op: forward bytes per window alive while it runs (live tensors, its output, workspace,
+    its kernel's own buffers).
 
     A tensor lives from the op producing it to its last consumer; the model input from the start
     to its last reader; an output nobody reads lives to the end of the forward (the loss).
@@ -278,7 +279,7 @@ def live_bytes(graph: Graph) -> list[int]:
     out, acc = [], 0
     for i, op in enumerate(graph.ops):
         acc += diff[i]
-        out.append(acc + op.workspace_bytes)
+        out.append(acc + op.workspace_bytes + op.kernel_bytes)
     return out
 
 

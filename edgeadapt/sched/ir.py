@@ -83,6 +83,9 @@ class Op:
         saved_bytes: bytes its backward keeps per window when a gradient must flow through it
             (inputs it re-reads, masks); 0 for ops whose backward needs nothing.
         workspace_bytes: transient bytes per window while it runs (forward), freed after.
+        kernel_bytes: transient bytes per window its forward kernel allocates beyond the graph's
+            tensors (a recurrent layer's gate buffers), freed after it; unlike ``workspace_bytes``
+            not counted in its backward, whose kernel keeps no such buffer.
         flops: forward FLOPs per window (backward is costed as 2x by the planner).
         module: the module path it belongs to.
         saved_traced_bytes: what its backward keeps for exactly ``Graph.traced_windows`` windows
@@ -105,6 +108,7 @@ class Op:
     module: str = ""
     differentiable: bool = True
     saved_traced_bytes: int = 0
+    kernel_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.differentiable, bool):
@@ -113,7 +117,7 @@ class Op:
         object.__setattr__(self, "inputs", tuple(self.inputs))
         _check_nonneg(f"op {self.name!r}", output_bytes=self.output_bytes, saved_bytes=self.saved_bytes,
                       workspace_bytes=self.workspace_bytes, flops=self.flops,
-                      saved_traced_bytes=self.saved_traced_bytes)
+                      saved_traced_bytes=self.saved_traced_bytes, kernel_bytes=self.kernel_bytes)
 
 
 @dataclass(frozen=True)
@@ -230,7 +234,8 @@ class Graph:
                      "workspace_bytes": o.workspace_bytes, "flops": o.flops, "module": o.module,
                      # only when False / nonzero: graphs without them serialise as before the fields existed
                      **({} if o.differentiable else {"differentiable": False}),
-                     **({"saved_traced_bytes": o.saved_traced_bytes} if o.saved_traced_bytes else {})}
+                     **({"saved_traced_bytes": o.saved_traced_bytes} if o.saved_traced_bytes else {}),
+                     **({"kernel_bytes": o.kernel_bytes} if o.kernel_bytes else {})}
                     for o in self.ops],
             # only when measured: graphs without a loss serialise as before the fields existed
             **({"loss_saved_bytes": self.loss_saved_bytes, "loss_peak_bytes": self.loss_peak_bytes}

@@ -129,7 +129,7 @@ def timeline(graph: Graph, plan: Plan, cost: CostModel | None = None) -> list[Ti
         for j in range(first, last + 1):
             op = ops[j]
             sim.act[f"t:{op.name}"] = op.output_bytes
-            sim.act["workspace"] = op.workspace_bytes
+            sim.act["workspace"] = op.workspace_bytes + op.kernel_bytes
             sim.record(phase, f"{phase}:{op.name}")
             del sim.act["workspace"]
             for t in (op.inputs or ("<input>",)):

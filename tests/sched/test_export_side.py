@@ -3,6 +3,8 @@ and applying a plan to the torch module."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -18,6 +20,7 @@ from edgeadapt.export.sched_graph import graph_from_onnx, module_path_of_node  #
 from edgeadapt.models import build_model  # noqa: E402
 from edgeadapt.sched import (CostModel, Graph, Mode, UpdatePolicy, plan_for_budget, plan_from_policy,  # noqa: E402
                              trained_bytes, verify)
+from edgeadapt.sched.cost import activation_arrays, live_bytes  # noqa: E402
 
 C, T = 4, 64
 
@@ -143,11 +146,14 @@ def test_policy_resolves_the_same_on_the_graph_and_on_the_module():
     assert entries["blocks.3.bn.bias"].mode == "bias" and plan.param("blocks.3.bn.bias").mode is Mode.FULL
 
 
-@pytest.mark.parametrize("cell, bidirectional, kept_per_hidden", [(nn.GRU, False, 4), (nn.LSTM, True, 6)])
-def test_a_recurrent_layer_keeps_every_step_state_and_gate(cell, bidirectional, kept_per_hidden):
+@pytest.mark.parametrize("cell, bidirectional, kept_per_hidden, kernel_per_hidden",
+                         [(nn.GRU, False, 4, 3), (nn.LSTM, True, 6, 5)])
+def test_a_recurrent_layer_keeps_every_step_state_and_gate(cell, bidirectional, kept_per_hidden, kernel_per_hidden):
     """A GRU's training form keeps, per step and direction, its hidden state and three gates; an
     LSTM's its hidden and cell states and four gates: the op's saved bytes are its input plus
-    those, per window."""
+    those, per window. While its forward runs, the kernel also holds buffers no graph tensor shows
+    (the training form's unread outputs, the inference kernel's gates; a reverse direction's
+    reversed input and output): counted in the forward's live bytes, not in the backward's."""
     steps, features, hidden = 20, 4, 8
 
     class Net(nn.Module):
@@ -168,3 +174,11 @@ def test_a_recurrent_layer_keeps_every_step_state_and_gate(cell, bidirectional, 
     op = next(o for o in g.ops if o.module == "rnn")
     directions = 2 if bidirectional else 1
     assert op.saved_bytes == 4 * (steps * features + steps * directions * hidden * kept_per_hidden)
+    reversed_copies = steps * (features + hidden) if bidirectional else 0
+    assert op.kernel_bytes == 4 * (steps * directions * hidden * kernel_per_hidden + reversed_copies)
+    i = g.op_index(op.name)
+    base = replace(g, ops=tuple(replace(o, kernel_bytes=0) for o in g.ops))
+    assert live_bytes(g)[i] - live_bytes(base)[i] == op.kernel_bytes
+    trained = {p.name for p in g.params}
+    assert activation_arrays(g, trained).grad_transient == activation_arrays(base, trained).grad_transient
+    assert Graph.from_dict(g.to_dict()) == g
