@@ -71,6 +71,7 @@ from ..bundle import BundleError, Manifest, ParameterEntry
 from .unsupported import unsupported_from_ort_error
 from .objectives import torch_loss
 from .kink_noise import KinkAllowance
+from .loss_noise import loss_rounding_allowance, output_gradient_bound
 from .reduction_noise import ReductionBounds, reduction_allowance
 
 __all__ = [
@@ -207,7 +208,7 @@ def compare_tensor(what: str, got: np.ndarray, want: np.ndarray, rtol: float, at
 
 def compare_gradients(got: dict[str, np.ndarray], want: dict[str, np.ndarray], bounds: dict[str, np.ndarray],
                       suffix: str = "", spread: dict[str, float] | None = None,
-                      kinks: dict[str, float] | None = None) -> list[Deviation]:
+                      allowance: dict[str, float] | None = None) -> list[Deviation]:
     """Compare gradients tensor by tensor (see the module docstring for the criterion). The one
     gradient criterion of the project: the export self-check and the parity tests use it.
 
@@ -219,15 +220,17 @@ def compare_gradients(got: dict[str, np.ndarray], want: dict[str, np.ndarray], b
         suffix: appended to each description (e.g. the batch size).
         spread: per name, how far torch's own float32 gradient is from ``want`` (its norm); it
             is added to the allowance, since a float32 engine cannot be asked to do better.
-        kinks: per name, the gradient's change were every activation element within float32
-            rounding of a kink on the other side (:mod:`.kink_noise`); added to the allowance.
+        allowance: per name, a further allowed error norm: the gradient's change were every
+            activation element within float32 rounding of a kink on the other side
+            (:mod:`.kink_noise`), plus the float32 rounding of the loss's own gradient carried to
+            the parameter (:mod:`.loss_noise`).
     """
     scale = max((_norm(g) for g in want.values()), default=0.0)
     zero_level = GRAD_ATOL * scale
     out = []
     for name, g in want.items():
         rounding = REDUCTION_FACTOR * reduction_allowance(bounds[name])
-        extra = rounding + SPREAD_FACTOR * (spread or {}).get(name, 0.0) + (kinks or {}).get(name, 0.0)
+        extra = rounding + SPREAD_FACTOR * (spread or {}).get(name, 0.0) + (allowance or {}).get(name, 0.0)
         ref = _norm(g)
         # The cosine criterion follows the allowance: an error e at norm r allows 1 - cos ~ (e/r)^2 / 2.
         eps = max(COSINE_EPS, 2.0 * (extra / ref) ** 2) if ref > 0 else COSINE_EPS
@@ -318,7 +321,8 @@ def _torch_reference(module: nn.Module, batchnorm: str, x: np.ndarray, y: np.nda
     """Loss, output and gradients of the prepared model in float64 (where the model allows it),
     per gradient how far torch's float32 result is from it, per gradient the float32 rounding
     bound of its final reduction (:mod:`.reduction_noise`, from the same pass), and per gradient
-    the allowance for activations at a kink (:mod:`.kink_noise`, from the same pass).
+    the further allowance for activations at a kink (:mod:`.kink_noise`) and for the rounding of
+    the loss's own gradient (:mod:`.loss_noise`), from the same pass.
 
     Against a float64 reference ONNX Runtime's own float32 error is what is measured; torch's
     float32 kernels are themselves off by up to ~2e-4 of a gradient's norm in some shapes (the
@@ -328,17 +332,17 @@ def _torch_reference(module: nn.Module, batchnorm: str, x: np.ndarray, y: np.nda
     top.
     """
     try:
-        loss64, out64, grads64, bounds64, kinks64 = _torch_pass(module, batchnorm, x, y, loss, torch_names,
+        loss64, out64, grads64, bounds64, allowance64 = _torch_pass(module, batchnorm, x, y, loss, torch_names,
                                                                 torch.float64, instrument=True)
     except RuntimeError as e:  # e.g. a float32 constant created inside forward()
         log.debug("float64 torch reference failed (%s); comparing with float32 torch", e)
-        loss32, out32, grads32, bounds32, kinks32 = _torch_pass(module, batchnorm, x, y, loss, torch_names,
+        loss32, out32, grads32, bounds32, allowance32 = _torch_pass(module, batchnorm, x, y, loss, torch_names,
                                                                 torch.float32, instrument=True)
-        return loss32, out32, grads32, {n: 0.0 for n in torch_names}, bounds32, kinks32
+        return loss32, out32, grads32, {n: 0.0 for n in torch_names}, bounds32, allowance32
     # torch's own float32 gradients: only their distance from float64 is used
     _, _, grads32, _, _ = _torch_pass(module, batchnorm, x, y, loss, torch_names, torch.float32, instrument=False)
     spread = {n: _norm(np.asarray(grads32[n], np.float64) - grads64[n]) for n in torch_names}
-    return loss64, out64, grads64, spread, bounds64, kinks64
+    return loss64, out64, grads64, spread, bounds64, allowance64
 
 
 def _torch_pass(module: nn.Module, batchnorm: str, x: np.ndarray, y: np.ndarray | None, loss: str,
@@ -366,16 +370,23 @@ def _torch_pass(module: nn.Module, batchnorm: str, x: np.ndarray, y: np.ndarray 
             if labels is not None and labels.is_floating_point():
                 labels = labels.to(dtype)
             value = torch_loss(loss, out, labels)
-        value.backward(retain_graph=instrument)  # the kinks' vector-Jacobian products run on the same graph
+        if instrument:
+            out.retain_grad()
+        value.backward(retain_graph=instrument)  # the allowances' vector-Jacobian products run on the same graph
     grads = {n: params[n].grad.numpy().copy() for n in torch_names}
     if not instrument:
         return value.item(), out.detach().numpy(), grads, None, None
-    return value.item(), out.detach().numpy(), grads, bounds.bounds(), kinks.allowance()
+    # the further allowance per gradient: activations at a kink, and the rounding of the loss's own gradient
+    at_kinks = kinks.allowance()
+    from_loss = loss_rounding_allowance(out, {n: params[n] for n in torch_names},
+                                        output_gradient_bound(loss, out, labels), out.grad)
+    allowance = {n: at_kinks.get(n, 0.0) + from_loss[n] for n in torch_names}
+    return value.item(), out.detach().numpy(), grads, bounds.bounds(), allowance
 
 
 def _check_once(stage: Path, manifest: Manifest, pairs: list[tuple[str, str]], x: np.ndarray, y: np.ndarray | None,
                 ref_loss: float, ref_out: np.ndarray, ref_grads: dict[str, np.ndarray],
-                spread: dict[str, float], bounds: dict[str, np.ndarray], kinks: dict[str, float]) -> list[Deviation]:
+                spread: dict[str, float], bounds: dict[str, np.ndarray], allowance: dict[str, float]) -> list[Deviation]:
     from ..runtime.backend import OrtTrainingBackend
     from ..runtime.features import open_prefix, suffix_inputs
 
@@ -383,14 +394,14 @@ def _check_once(stage: Path, manifest: Manifest, pairs: list[tuple[str, str]], x
     # With a prefix model the training graph takes its features: the whole chain is compared.
     features = suffix_inputs(open_prefix(stage, manifest), x, len(x))
     return compare_training_step(backend, manifest, pairs, features, y, ref_loss, ref_out, ref_grads, spread, bounds,
-                                 f" (batch {len(x)})", kinks)
+                                 f" (batch {len(x)})", allowance)
 
 
 def compare_training_step(backend, manifest: Manifest, pairs: list[tuple[str, str]], features: np.ndarray,
                           y: np.ndarray | None, ref_loss: float, ref_out: np.ndarray,
                           ref_grads: dict[str, np.ndarray], spread: dict[str, float],
                           bounds: dict[str, np.ndarray], suffix: str,
-                          kinks: dict[str, float] | None = None) -> list[Deviation]:
+                          allowance: dict[str, float] | None = None) -> list[Deviation]:
     """One training step of ``backend`` (a :class:`~edgeadapt.runtime.backend.TrainingBackend`)
     against the torch reference: loss, output, every trained gradient (``pairs``: backend name,
     torch name), then one optimizer step against torch's update of the same gradients."""
@@ -400,7 +411,7 @@ def compare_training_step(backend, manifest: Manifest, pairs: list[tuple[str, st
     grads = {g: backend.get_gradient(g) for g, _ in pairs}
     checks += compare_gradients(grads, {g: ref_grads[t] for g, t in pairs}, {g: bounds[t] for g, t in pairs},
                                 suffix, spread={g: spread[t] for g, t in pairs},
-                                kinks={g: (kinks or {}).get(t, 0.0) for g, t in pairs})
+                                allowance={g: (allowance or {}).get(t, 0.0) for g, t in pairs})
     before = {g: backend.get_tensor(g) for g, _ in pairs}
     backend.apply_update(float(manifest.optimizer["lr"]))
     after = {g: backend.get_tensor(g) for g, _ in pairs}

@@ -39,7 +39,7 @@ def _torch_eval(module: nn.Module, x: np.ndarray, y: np.ndarray | None, loss: st
 def _check_batch(stage: Path, manifest: Manifest, module: nn.Module, pairs: list[tuple[str, str]], x: np.ndarray,
                  y: np.ndarray | None,
                  ref_loss: float, ref_out: np.ndarray, ref_grads: dict, spread: dict, bounds: dict,
-                 kinks: dict) -> list[Deviation]:
+                 allowance: dict) -> list[Deviation]:
     from ...runtime.features import open_prefix, suffix_inputs
     from ...runtime.portable import PortableBackend
 
@@ -51,7 +51,7 @@ def _check_batch(stage: Path, manifest: Manifest, module: nn.Module, pairs: list
     checks = [compare_tensor(f"eval loss{suffix}", np.array(loss), np.array(eval_loss), LOSS_RTOL, LOSS_ATOL),
               compare_tensor(f"eval output{suffix}", out, eval_out, OUTPUT_RTOL, LOSS_ATOL)]
     checks += compare_training_step(backend, manifest, pairs, features, y, ref_loss, ref_out, ref_grads, spread,
-                                    bounds, suffix, kinks)
+                                    bounds, suffix, allowance)
     backend.close()
     return checks
 

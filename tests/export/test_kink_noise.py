@@ -112,6 +112,6 @@ def test_compare_gradients_allows_exactly_a_flip():
     want = {n: g.numpy() for n, g in want.items()}
     flipped = {n: g.numpy() for n, g in other.items()}
     doubled = {n: 2 * flipped[n] - want[n] for n in want}
-    assert all(d.passed for d in compare_gradients(flipped, want, bounds, kinks=allowance))
+    assert all(d.passed for d in compare_gradients(flipped, want, bounds, allowance=allowance))
     assert not all(d.passed for d in compare_gradients(flipped, want, bounds))
-    assert not all(d.passed for d in compare_gradients(doubled, want, bounds, kinks=allowance))
+    assert not all(d.passed for d in compare_gradients(doubled, want, bounds, allowance=allowance))
