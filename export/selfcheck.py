@@ -386,7 +386,8 @@ def _torch_pass(module: nn.Module, batchnorm: str, x: np.ndarray, y: np.ndarray 
 
 def _check_once(stage: Path, manifest: Manifest, pairs: list[tuple[str, str]], x: np.ndarray, y: np.ndarray | None,
                 ref_loss: float, ref_out: np.ndarray, ref_grads: dict[str, np.ndarray],
-                spread: dict[str, float], bounds: dict[str, np.ndarray], allowance: dict[str, float]) -> list[Deviation]:
+                spread: dict[str, float], bounds: dict[str, np.ndarray],
+                allowance: dict[str, float]) -> list[Deviation]:
     from ..runtime.backend import OrtTrainingBackend
     from ..runtime.features import open_prefix, suffix_inputs
 
