@@ -6,7 +6,7 @@ importing the code that runs the study.
 
 from __future__ import annotations
 
-__all__ = ["LABEL_FREE_DEFAULTS", "UNLABELED_METHOD_SETTINGS", "ENTROPY_CANDIDATE", "LABEL_FREE_GRID"]
+__all__ = ["LABEL_FREE_DEFAULTS", "UNLABELED_METHOD_SETTINGS", "LABEL_FREE_GRID"]
 
 # The recommended method's settings (UnlabeledSettings fields not named keep their defaults):
 # statistics weighted by the evidence of a shift (empirical Bayes), the prototype head and the
@@ -22,13 +22,6 @@ UNLABELED_METHOD_SETTINGS: dict[str, dict] = {
     "label-free": LABEL_FREE_DEFAULTS,
 }
 
-# What the selection tries for label-free (each with the gate on): the statistics with and without
-# the prototype head (the statistics' weight needs no choosing: the evidence sets it), and the
-# entropy reference's stage (Tent: 200 steps of 16 windows at its rate 3e-3, batches drawn from all
-# windows so that their batch statistics span every activity) pulled 1 % back toward the source
-# values after each step. Which one a dataset needs differs (the references lead on different
-# sets), so the source subjects choose.
-ENTROPY_CANDIDATE: dict = {**LABEL_FREE_DEFAULTS, "entropy_steps": 200, "lr": 3e-3, "entropy_threshold": 1.0,
-                           "anchor": 0.01}
-LABEL_FREE_GRID: tuple[dict, ...] = (*({**LABEL_FREE_DEFAULTS, "prototype_mix": mix} for mix in (0.3, 0.0)),
-                                     ENTROPY_CANDIDATE)
+# What the selection tries for label-free (each with the gate on): with and without the
+# prototype head (the statistics' weight needs no choosing: the evidence sets it).
+LABEL_FREE_GRID: tuple[dict, ...] = tuple({**LABEL_FREE_DEFAULTS, "prototype_mix": mix} for mix in (0.3, 0.0))
