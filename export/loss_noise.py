@@ -35,6 +35,11 @@ norm per parameter. All-positive signs give the worst case of any parameter whos
 ``dy`` over the batch with positive weights (a bias, a weight over non-negative inputs); deeper
 parameters mix elements of both signs, which the other patterns probe. It is the first-order
 effect, estimated by probes, not a bound over every sign pattern.
+
+:func:`loss_value_bound` bounds the loss value's own rounding the same way: ``gamma_n`` times the
+sum of its terms' magnitudes. A confident model's entropy is a sum of tiny terms whose logarithms
+are each off by about ``u``: measured 1.2e-7 off a loss of 4.7e-4 (0.026 %), where a relative
+tolerance alone allowed 1.05e-7.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ import math
 import numpy as np
 import torch
 
-__all__ = ["output_gradient_bound", "loss_rounding_allowance", "PROBES"]
+__all__ = ["output_gradient_bound", "loss_rounding_allowance", "loss_value_bound", "PROBES"]
 
 #: Sign patterns tried per parameter (all positive, signs of dy, then seeded random ones).
 PROBES = 4
@@ -101,3 +106,36 @@ def loss_rounding_allowance(output: torch.Tensor, params: dict[str, torch.Tensor
             if g is not None:
                 best[n] = max(best[n], math.sqrt(float(g.detach().to(torch.float64).square().sum())))
     return best
+
+
+def loss_value_bound(loss: str, output: np.ndarray, labels: np.ndarray | None) -> float:
+    """Bound on the float32 rounding of the loss's value at ``output`` (module docstring): per loss,
+    ``gamma_n`` times the summed magnitudes of its terms, the mean's own sum included in ``n``.
+
+    * ``cross_entropy``: ``log sum exp z - z_y`` per window: ``|z_y - max| + |lse - max| + 1``;
+    * ``entropy``: ``-sum_k p_k log p_k`` per window: ``p_k (1 + |log p_k| + log C) (1 + |log p_k|)``
+      (``p_k`` and ``log p_k`` each off by their exponent's rounding);
+    * ``mse``: ``(o - y)^2``: ``(|o| + |y|)^2``; ``bce_with_logits``: ``|o| + |o y| + log(1 + e^-|o|) + 1``.
+    """
+    o = torch.as_tensor(np.asarray(output), dtype=torch.float64)
+    if loss in ("cross_entropy", "entropy"):
+        batch, classes = o.shape[0], o.shape[-1]
+        logp = torch.log_softmax(o, -1)
+        if loss == "cross_entropy":
+            shifted = o - o.max(-1, keepdim=True).values
+            lse = torch.logsumexp(shifted, -1)
+            picked = shifted.gather(-1, torch.as_tensor(np.asarray(labels), dtype=torch.long).reshape(-1, 1))[:, 0]
+            magnitude = float((picked.abs() + lse.abs() + 1).sum()) / batch
+            return _gamma(classes + 4 + batch) * magnitude + _TINY
+        p = logp.exp()
+        magnitude = float((p * (1 + logp.abs() + math.log(classes)) * (1 + logp.abs())).sum()) / batch
+        return _gamma(2 * classes + 6 + batch) * magnitude + _TINY
+    if loss not in ("mse", "bce_with_logits"):
+        raise ValueError(f"no rounding model for loss {loss!r}")
+    y = torch.as_tensor(np.asarray(labels), dtype=torch.float64)
+    n = o.numel()
+    if loss == "mse":
+        magnitude = float(((o.abs() + y.abs()) ** 2).sum()) / n
+    else:
+        magnitude = float((o.abs() + (o * y).abs() + torch.log1p(torch.exp(-o.abs())) + 1).sum()) / n
+    return _gamma(n + 6) * magnitude + _TINY

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from edgeadapt.export.loss_noise import loss_rounding_allowance, output_gradient_bound
+from edgeadapt.export.loss_noise import loss_rounding_allowance, loss_value_bound, output_gradient_bound
 from edgeadapt.export.objectives import torch_loss
 
 
@@ -109,3 +109,45 @@ def test_the_allowance_of_a_head_bias_is_the_bound_summed_over_the_batch():
 def test_unknown_loss_is_refused():
     with pytest.raises(ValueError, match="no rounding model"):
         output_gradient_bound("hinge", torch.zeros(2, 3, dtype=torch.float64), None)
+
+
+def _entropy_value_graph_order(z: np.ndarray) -> float:
+    """The entropy loss's value in float32 the way the training graph computes it."""
+    z = z.astype(np.float32)
+    shifted = z - z.max(axis=1, keepdims=True)
+    e = np.exp(shifted)
+    p = e / e.sum(axis=1, keepdims=True)
+    logp = shifted - np.log(e.sum(axis=1, keepdims=True))
+    return float(-(p * logp).sum(axis=1).mean(dtype=np.float32))
+
+
+@pytest.mark.parametrize("loss", ["cross_entropy", "entropy", "mse", "bce_with_logits"])
+def test_float32_loss_values_stay_within_the_bound(loss):
+    rng = np.random.default_rng(1)
+    worst = 0.0
+    for _ in range(300):
+        z, y = _case(loss, rng)
+        if loss == "entropy" and rng.random() < 0.3:  # a confident model: the entropy is a sum of tiny terms
+            z = z * 0 + rng.normal(size=z.shape) + 12 * np.eye(z.shape[1])[rng.integers(0, z.shape[1], len(z))]
+        z32 = z.astype(np.float32).astype(np.float64)
+        labels64 = None if y is None else (y if loss == "cross_entropy" else y.double())
+        exact = float(torch_loss(loss, torch.tensor(z32), labels64))
+        labels32 = None if y is None else (y if loss == "cross_entropy" else y.float())
+        got = [float(torch_loss(loss, torch.tensor(z32, dtype=torch.float32), labels32))]
+        if loss == "entropy":
+            got.append(_entropy_value_graph_order(z32))
+        bound = loss_value_bound(loss, z32, None if y is None else y.numpy())
+        for g in got:
+            assert abs(g - exact) <= bound, (loss, abs(g - exact), bound)
+            worst = max(worst, abs(g - exact) / bound)
+    assert worst > 0.01
+
+
+def test_a_confident_models_entropy_is_off_by_more_than_a_relative_tolerance_allows():
+    """One window, one class far ahead: the entropy is ~1e-4 and its float32 value is off by ulps of
+    its terms, not of itself."""
+    z = np.array([[9.0, 0.3, -0.2, 0.1, 0.0, -0.4, 0.2]], dtype=np.float32).astype(np.float64)
+    exact = float(torch_loss("entropy", torch.tensor(z), None))
+    got = _entropy_value_graph_order(z)
+    assert abs(got - exact) <= loss_value_bound("entropy", z, None)
+    assert loss_value_bound("entropy", z, None) > 1e-5 * exact  # more than the old relative tolerance alone
