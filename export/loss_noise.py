@@ -64,25 +64,38 @@ def _gamma(n: int) -> float:
     return n * _U / (1 - n * _U)
 
 
+def _softmax_terms(o: torch.Tensor) -> tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(batch, classes, log p, p, p's magnitude ``p (1 + |log p| + log C)``) of logits ``o``
+    (float64): a float32 probability is off by its exponent's rounding (module docstring)."""
+    batch, classes = o.shape[0], o.shape[-1]
+    logp = torch.log_softmax(o, -1)
+    p = logp.exp()
+    return batch, classes, logp, p, p * (1 + logp.abs() + math.log(classes))
+
+
+def _targets(loss: str, labels) -> torch.Tensor:
+    """The targets of an elementwise loss (``mse``, ``bce_with_logits``) in float64; any other loss
+    but the two softmax ones has no rounding model."""
+    if loss not in ("mse", "bce_with_logits"):
+        raise ValueError(f"no rounding model for loss {loss!r}")
+    return torch.as_tensor(labels.detach() if isinstance(labels, torch.Tensor) else np.asarray(labels),
+                           dtype=torch.float64)
+
+
 def output_gradient_bound(loss: str, output: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
     """Per element of the loss's gradient at ``output`` (float64, same shape), the bound on its
     float32 rounding (module docstring). ``labels``: class indices (``cross_entropy``), targets
     (``mse``, ``bce_with_logits``) or ``None`` (``entropy``)."""
     o = output.detach().to(torch.float64)
     if loss in ("cross_entropy", "entropy"):
-        batch, classes = o.shape[0], o.shape[-1]
-        logp = torch.log_softmax(o, -1)
-        p = logp.exp()
-        p_magnitude = p * (1 + logp.abs() + math.log(classes))  # p's float32 error grows with its exponent
+        batch, classes, logp, p, p_magnitude = _softmax_terms(o)
         if loss == "cross_entropy":
             onehot = torch.nn.functional.one_hot(labels.long(), classes).to(torch.float64)
             return _gamma(classes + 4) * (p_magnitude + onehot) / batch + _TINY
         spread = (p * logp.abs()).sum(-1, keepdim=True)
         return _gamma(2 * classes + 6) * p_magnitude * (2 + logp.abs() + spread) / batch + _TINY
-    if loss not in ("mse", "bce_with_logits"):
-        raise ValueError(f"no rounding model for loss {loss!r}")
+    y = _targets(loss, labels)
     n = o.numel()
-    y = labels.detach().to(torch.float64)
     if loss == "mse":
         return _gamma(6) * 2 * (o.abs() + y.abs()) / n
     return _gamma(6) * (torch.sigmoid(o) * (1 + o.abs()) + y.abs()) / n + _TINY
@@ -118,21 +131,18 @@ def loss_value_bound(loss: str, output: np.ndarray, labels: np.ndarray | None) -
     * ``mse``: ``(o - y)^2``: ``(|o| + |y|)^2``; ``bce_with_logits``: ``|o| + |o y| + log(1 + e^-|o|) + 1``.
     """
     o = torch.as_tensor(np.asarray(output), dtype=torch.float64)
-    if loss in ("cross_entropy", "entropy"):
+    if loss == "cross_entropy":
         batch, classes = o.shape[0], o.shape[-1]
-        logp = torch.log_softmax(o, -1)
-        if loss == "cross_entropy":
-            shifted = o - o.max(-1, keepdim=True).values
-            lse = torch.logsumexp(shifted, -1)
-            picked = shifted.gather(-1, torch.as_tensor(np.asarray(labels), dtype=torch.long).reshape(-1, 1))[:, 0]
-            magnitude = float((picked.abs() + lse.abs() + 1).sum()) / batch
-            return _gamma(classes + 4 + batch) * magnitude + _TINY
-        p = logp.exp()
-        magnitude = float((p * (1 + logp.abs() + math.log(classes)) * (1 + logp.abs())).sum()) / batch
+        shifted = o - o.max(-1, keepdim=True).values
+        lse = torch.logsumexp(shifted, -1)
+        picked = shifted.gather(-1, torch.as_tensor(np.asarray(labels), dtype=torch.long).reshape(-1, 1))[:, 0]
+        magnitude = float((picked.abs() + lse.abs() + 1).sum()) / batch
+        return _gamma(classes + 4 + batch) * magnitude + _TINY
+    if loss == "entropy":
+        batch, classes, logp, _, p_magnitude = _softmax_terms(o)
+        magnitude = float((p_magnitude * (1 + logp.abs())).sum()) / batch
         return _gamma(2 * classes + 6 + batch) * magnitude + _TINY
-    if loss not in ("mse", "bce_with_logits"):
-        raise ValueError(f"no rounding model for loss {loss!r}")
-    y = torch.as_tensor(np.asarray(labels), dtype=torch.float64)
+    y = _targets(loss, labels)
     n = o.numel()
     if loss == "mse":
         magnitude = float(((o.abs() + y.abs()) ** 2).sum()) / n

@@ -80,6 +80,7 @@ __all__ = [
     "Deviation",
     "choose_session",
     "compare_gradients",
+    "compare_loss",
     "compare_tensor",
     "torch_optimizer_step",
     "GRAD_ATOL",
@@ -205,6 +206,15 @@ def compare_tensor(what: str, got: np.ndarray, want: np.ndarray, rtol: float, at
         norms = _norm(got64) * ref
         cosine = float((got64 * want64).sum()) / norms if norms > 0 else 0.0
     return Deviation(what, err, ref, rtol * ref + atol, cosine, checked, 1.0 - cosine_eps)
+
+
+def compare_loss(what: str, got: float, want: float, loss: str, output: np.ndarray,
+                 labels: np.ndarray | None) -> Deviation:
+    """Compare a loss value with the reference's: ``|got - want| <= LOSS_RTOL |want| + LOSS_ATOL + b``,
+    ``b`` the float32 rounding bound of ``loss`` at the reference's ``output``
+    (:func:`.loss_noise.loss_value_bound`)."""
+    return compare_tensor(what, np.array(got), np.array(want), LOSS_RTOL,
+                          LOSS_ATOL + loss_value_bound(loss, output, labels))
 
 
 def compare_gradients(got: dict[str, np.ndarray], want: dict[str, np.ndarray], bounds: dict[str, np.ndarray],
@@ -408,8 +418,7 @@ def compare_training_step(backend, manifest: Manifest, pairs: list[tuple[str, st
     against the torch reference: loss, output, every trained gradient (``pairs``: backend name,
     torch name), then one optimizer step against torch's update of the same gradients."""
     loss, out = backend.train_step(features, y)
-    rounding = loss_value_bound(manifest.loss, ref_out, y)
-    checks = [compare_tensor(f"loss{suffix}", np.array(loss), np.array(ref_loss), LOSS_RTOL, LOSS_ATOL + rounding),
+    checks = [compare_loss(f"loss{suffix}", loss, ref_loss, manifest.loss, ref_out, y),
               compare_tensor(f"output{suffix}", out, ref_out, OUTPUT_RTOL, LOSS_ATOL)]
     grads = {g: backend.get_gradient(g) for g, _ in pairs}
     checks += compare_gradients(grads, {g: ref_grads[t] for g, t in pairs}, {g: bounds[t] for g, t in pairs},

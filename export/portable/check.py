@@ -16,10 +16,9 @@ import torch
 from torch import nn
 
 from ...bundle import Manifest, ParameterEntry
-from ..loss_noise import loss_value_bound
 from ..objectives import torch_loss
-from ..selfcheck import (LOSS_ATOL, LOSS_RTOL, OUTPUT_RTOL, STEP_RTOL, Deviation, SelfCheckError, _labels,
-                         _torch_reference, compare_tensor, compare_training_step)
+from ..selfcheck import (LOSS_ATOL, OUTPUT_RTOL, STEP_RTOL, Deviation, SelfCheckError, _labels, _torch_reference,
+                         compare_loss, compare_tensor, compare_training_step)
 
 __all__ = ["check_portable"]
 
@@ -49,9 +48,7 @@ def _check_batch(stage: Path, manifest: Manifest, module: nn.Module, pairs: list
     features = suffix_inputs(open_prefix(stage, manifest), x, len(x))
     eval_loss, eval_out = _torch_eval(module, x, y, manifest.loss)
     loss, out = backend.forward(features, y)
-    rounding = loss_value_bound(manifest.loss, eval_out, y)
-    checks = [compare_tensor(f"eval loss{suffix}", np.array(loss), np.array(eval_loss), LOSS_RTOL,
-                             LOSS_ATOL + rounding),
+    checks = [compare_loss(f"eval loss{suffix}", loss, eval_loss, manifest.loss, eval_out, y),
               compare_tensor(f"eval output{suffix}", out, eval_out, OUTPUT_RTOL, LOSS_ATOL)]
     checks += compare_training_step(backend, manifest, pairs, features, y, ref_loss, ref_out, ref_grads, spread,
                                     bounds, suffix, allowance)
