@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import replace
 from collections.abc import Iterable
+from dataclasses import replace
+from typing import NamedTuple
 
 import onnx
 from onnx import helper, shape_inference
@@ -102,22 +103,34 @@ _RECURRENT_KEPT_PER_HIDDEN = {"GRU": 4, "LSTM": 6}
 _RECURRENT_KERNEL_PER_HIDDEN = {"GRU": 3, "LSTM": 5}
 
 
-def _recurrent_dims(node: onnx.NodeProto, value_info: dict[str, onnx.ValueInfoProto]) -> tuple[int, int, int, int, int]:
-    """(steps, directions, hidden_size, input size, element bytes) of a GRU or LSTM node, after
-    shape inference with a batch of one. ``steps`` is the input's sequence axis (axis 0, or 1 with
-    ``layout=1``)."""
+class _RecurrentDims(NamedTuple):
+    """A GRU or LSTM node's sizes after shape inference with a batch of one."""
+
+    steps: int  # the input's sequence axis (axis 0, or 1 with ``layout=1``)
+    direction: str  # "forward", "reverse" or "bidirectional"
+    hidden: int
+    inputs: int  # input size per step
+    elem_bytes: int
+
+    @property
+    def directions(self) -> int:
+        return 2 if self.direction == "bidirectional" else 1
+
+
+def _recurrent_dims(node: onnx.NodeProto, value_info: dict[str, onnx.ValueInfoProto]) -> _RecurrentDims:
+    """:class:`_RecurrentDims` of a GRU or LSTM node; refuses a node without a static sequence
+    length or hidden size."""
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     hidden = int(attrs.get("hidden_size", 0))
     direction = attrs.get("direction", b"forward")
     direction = direction.decode() if isinstance(direction, bytes) else direction
-    directions = 2 if direction == "bidirectional" else 1
     vi = value_info.get(node.input[0])
     dims = [d.dim_value for d in vi.type.tensor_type.shape.dim] if vi is not None else []
     axis = 1 if int(attrs.get("layout", 0)) == 1 else 0
     if hidden <= 0 or len(dims) < 3 or dims[axis] <= 0:
         raise ValueError(f"{node.op_type} node {node.name!r} has no static sequence length or hidden_size after "
                          "shape inference; export with a fixed window length")
-    return dims[axis], directions, hidden, dims[-1], _elem_bytes(vi.type.tensor_type.elem_type)
+    return _RecurrentDims(dims[axis], direction, hidden, dims[-1], _elem_bytes(vi.type.tensor_type.elem_type))
 
 
 def recurrent_state_bytes(node: onnx.NodeProto, value_info: dict[str, onnx.ValueInfoProto]) -> int:
@@ -127,8 +140,8 @@ def recurrent_state_bytes(node: onnx.NodeProto, value_info: dict[str, onnx.Value
     per_hidden = _RECURRENT_KEPT_PER_HIDDEN.get(node.op_type)
     if per_hidden is None:
         return 0
-    steps, directions, hidden, _, elem = _recurrent_dims(node, value_info)
-    return steps * directions * hidden * per_hidden * elem
+    d = _recurrent_dims(node, value_info)
+    return d.steps * d.directions * d.hidden * per_hidden * d.elem_bytes
 
 
 def recurrent_kernel_bytes(node: onnx.NodeProto, value_info: dict[str, onnx.ValueInfoProto]) -> int:
@@ -139,11 +152,9 @@ def recurrent_kernel_bytes(node: onnx.NodeProto, value_info: dict[str, onnx.Valu
     per_hidden = _RECURRENT_KERNEL_PER_HIDDEN.get(node.op_type)
     if per_hidden is None:
         return 0
-    steps, directions, hidden, inputs, elem = _recurrent_dims(node, value_info)
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    direction = attrs.get("direction", b"forward")
-    reverse = (direction.decode() if isinstance(direction, bytes) else direction) != "forward"
-    return (steps * directions * hidden * per_hidden + (steps * (inputs + hidden) if reverse else 0)) * elem
+    d = _recurrent_dims(node, value_info)
+    reversed_copies = d.steps * (d.inputs + d.hidden) if d.direction != "forward" else 0
+    return (d.steps * d.directions * d.hidden * per_hidden + reversed_copies) * d.elem_bytes
 
 
 def _with_batch_one(model: onnx.ModelProto, input_shape: Iterable[int]) -> onnx.ModelProto:
