@@ -14,26 +14,34 @@ from edgeadapt.export.loss_noise import loss_rounding_allowance, loss_value_boun
 from edgeadapt.export.objectives import torch_loss
 
 
+def _softmax_graph_order(z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(p, log p) of logits ``z`` in float32, as the training graph's Softmax and LogSoftmax."""
+    z = z.astype(np.float32)
+    shifted = z - z.max(axis=1, keepdims=True)
+    e = np.exp(shifted)
+    return e / e.sum(axis=1, keepdims=True), shifted - np.log(e.sum(axis=1, keepdims=True))
+
+
 def _entropy_grad_graph_order(z: np.ndarray) -> np.ndarray:
     """The entropy loss's gradient in float32 the way a training graph builds it from its ops:
     Mul's gradients into p and log p, then SoftmaxGrad and LogSoftmaxGrad (each a class sum)."""
-    z = z.astype(np.float32)
+    p, logp = _softmax_graph_order(z)
     b = np.float32(z.shape[0])
-    shifted = z - z.max(axis=1, keepdims=True)
-    e = np.exp(shifted)
-    p = e / e.sum(axis=1, keepdims=True)
-    logp = shifted - np.log(e.sum(axis=1, keepdims=True))
     dp, dlogp = -logp / b, -p / b
     d_softmax = p * (dp - (dp * p).sum(axis=1, keepdims=True))
     d_logsoftmax = dlogp - np.exp(logp) * dlogp.sum(axis=1, keepdims=True)
     return d_softmax + d_logsoftmax
 
 
+def _labels(loss: str, y, dtype: torch.dtype):
+    """``y`` as ``torch_loss`` takes it: class indices as they are, targets in ``dtype``."""
+    return None if y is None else (y if loss == "cross_entropy" else y.to(dtype))
+
+
 def _float32_grads(loss: str, z: np.ndarray, y) -> list[np.ndarray]:
     """The loss's gradient at the output in float32: torch's autograd, and (entropy) the graph's order."""
     out = torch.tensor(z, dtype=torch.float32, requires_grad=True)
-    labels = None if y is None else (y if loss == "cross_entropy" else y.float())
-    torch_loss(loss, out, labels).backward()
+    torch_loss(loss, out, _labels(loss, y, torch.float32)).backward()
     grads = [out.grad.numpy().astype(np.float64)]
     if loss == "entropy":
         grads.append(_entropy_grad_graph_order(z).astype(np.float64))
@@ -62,7 +70,7 @@ def test_float32_loss_gradients_stay_within_the_bound(loss):
     worst = 0.0
     for _ in range(300):
         z, y = _case(loss, rng)
-        labels = None if y is None else (y if loss == "cross_entropy" else y.double())
+        labels = _labels(loss, y, torch.float64)
         # the float32 inputs are what the engines see: their own rounding is not the loss's
         z32 = z.astype(np.float32).astype(np.float64)
         out_exact = torch.tensor(z32, dtype=torch.float64, requires_grad=True)
@@ -113,11 +121,7 @@ def test_unknown_loss_is_refused():
 
 def _entropy_value_graph_order(z: np.ndarray) -> float:
     """The entropy loss's value in float32 the way the training graph computes it."""
-    z = z.astype(np.float32)
-    shifted = z - z.max(axis=1, keepdims=True)
-    e = np.exp(shifted)
-    p = e / e.sum(axis=1, keepdims=True)
-    logp = shifted - np.log(e.sum(axis=1, keepdims=True))
+    p, logp = _softmax_graph_order(z)
     return float(-(p * logp).sum(axis=1).mean(dtype=np.float32))
 
 
@@ -128,12 +132,10 @@ def test_float32_loss_values_stay_within_the_bound(loss):
     for _ in range(300):
         z, y = _case(loss, rng)
         if loss == "entropy" and rng.random() < 0.3:  # a confident model: the entropy is a sum of tiny terms
-            z = z * 0 + rng.normal(size=z.shape) + 12 * np.eye(z.shape[1])[rng.integers(0, z.shape[1], len(z))]
+            z = rng.normal(size=z.shape) + 12 * np.eye(z.shape[1])[rng.integers(0, z.shape[1], len(z))]
         z32 = z.astype(np.float32).astype(np.float64)
-        labels64 = None if y is None else (y if loss == "cross_entropy" else y.double())
-        exact = float(torch_loss(loss, torch.tensor(z32), labels64))
-        labels32 = None if y is None else (y if loss == "cross_entropy" else y.float())
-        got = [float(torch_loss(loss, torch.tensor(z32, dtype=torch.float32), labels32))]
+        exact = float(torch_loss(loss, torch.tensor(z32), _labels(loss, y, torch.float64)))
+        got = [float(torch_loss(loss, torch.tensor(z32, dtype=torch.float32), _labels(loss, y, torch.float32)))]
         if loss == "entropy":
             got.append(_entropy_value_graph_order(z32))
         bound = loss_value_bound(loss, z32, None if y is None else y.numpy())
