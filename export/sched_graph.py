@@ -18,6 +18,11 @@ Per op:
   (:func:`recurrent_state_bytes`);
 * ``kernel_bytes``: a GRU's or LSTM's kernel buffers while its forward runs (every step's gates:
   :func:`recurrent_kernel_bytes`), which no graph tensor shows;
+* ``param_copy_bytes``: the tensors it reads that nodes compute from its parameters (a GRU's or
+  LSTM's weights re-ordered per gate, a frozen BatchNorm's scale): not per window;
+* ``param_grad_bytes``: what its backward adds for those copies when its parameters train -- the
+  gradient of each copy and one transform step's gradient (2 x the copies), and a GRU's or LSTM's
+  gradient kernel's weight-sized accumulators (:func:`recurrent_grad_kernel_bytes`);
 * ``flops``: multiply-adds x 2 for Conv/Gemm/MatMul, one per output element otherwise.
 """
 
@@ -36,7 +41,8 @@ from ..bundle import ParameterEntry
 from ..sched.ir import Graph, Op, Param
 from .op_rewrites import lacks_gradient
 
-__all__ = ["graph_from_onnx", "module_path_of_node", "recurrent_state_bytes", "recurrent_kernel_bytes", "SAVES_OUTPUT",
+__all__ = ["graph_from_onnx", "module_path_of_node", "recurrent_state_bytes", "recurrent_kernel_bytes",
+           "recurrent_grad_kernel_bytes", "SAVES_OUTPUT",
            "SAVES_NOTHING"]
 
 log = logging.getLogger(__name__)
@@ -101,6 +107,12 @@ _RECURRENT_KEPT_PER_HIDDEN = {"GRU": 4, "LSTM": 6}
 # tensors above, of which the unread ones are dropped after it (LSTM 5, GRU 3); the inference
 # kernel writes every step's gates to a buffer of its own (LSTM 4, GRU 3). The larger of the two.
 _RECURRENT_KERNEL_PER_HIDDEN = {"GRU": 3, "LSTM": 5}
+# Gates per recurrent node: its weights are ``gates x hidden`` rows.
+_RECURRENT_GATES = {"GRU": 3, "LSTM": 4}
+# Fixed bytes a trained op's backward adds per byte of its parameter copies: the gradient with
+# respect to the copy and one transform step's gradient beside it (a Split of it, or a Concat of
+# the pieces) while it is carried back to the parameter.
+PARAM_COPY_GRADIENTS = 2
 
 
 class _RecurrentDims(NamedTuple):
@@ -157,6 +169,18 @@ def recurrent_kernel_bytes(node: onnx.NodeProto, value_info: dict[str, onnx.Valu
     return (d.steps * d.directions * d.hidden * per_hidden + reversed_copies) * d.elem_bytes
 
 
+def recurrent_grad_kernel_bytes(node: onnx.NodeProto, value_info: dict[str, onnx.ValueInfoProto]) -> int:
+    """Bytes a GRU or LSTM node's gradient kernel allocates for itself when it runs (0 for any other
+    node): ONNX Runtime's GRUGrad and LSTMGrad accumulate each step's weight gradients through
+    buffers the size of the input and recurrence weights (``gates x hidden x (input + hidden)`` per
+    direction), whatever the number of windows."""
+    gates = _RECURRENT_GATES.get(node.op_type)
+    if gates is None:
+        return 0
+    d = _recurrent_dims(node, value_info)
+    return d.directions * gates * d.hidden * (d.inputs + d.hidden) * d.elem_bytes
+
+
 def _with_batch_one(model: onnx.ModelProto, input_shape: Iterable[int]) -> onnx.ModelProto:
     model = onnx.ModelProto.FromString(model.SerializeToString())
     inits = {i.name for i in model.graph.initializer}
@@ -188,6 +212,14 @@ def _flops(node: onnx.NodeProto, vi, inits: dict[str, onnx.TensorProto]) -> int:
             k = a.type.tensor_type.shape.dim[0].dim_value
         return 2 * out * max(1, k)
     return out
+
+
+def _param_copy_bytes(nodes, per_window: set[str], inits, depends: dict[str, set[str]], nbytes) -> int:
+    """Bytes of the distinct tensors ``nodes`` read that other nodes compute from parameters (not
+    the initializers themselves, nor anything per window)."""
+    copies = {t for node in nodes for t in node.input
+              if t and t not in per_window and t not in inits and depends.get(t)}
+    return sum(nbytes(t) for t in copies)
 
 
 def graph_from_onnx(model_proto: onnx.ModelProto, entries: Iterable[ParameterEntry], input_shape: Iterable[int], *,
@@ -267,6 +299,8 @@ def graph_from_onnx(model_proto: onnx.ModelProto, entries: Iterable[ParameterEnt
     saved_by: dict[str, int] = {}
     state_bytes = [sum(recurrent_state_bytes(n, vi) for n in grp["nodes"]) for grp in groups]
     kernel_bytes = [sum(recurrent_kernel_bytes(n, vi) for n in grp["nodes"]) for grp in groups]
+    copy_bytes = [_param_copy_bytes(grp["nodes"], per_window, inits, depends, nbytes) for grp in groups]
+    grad_kernel_bytes = [sum(recurrent_grad_kernel_bytes(n, vi) for n in grp["nodes"]) for grp in groups]
     for gi, grp in enumerate(groups):
         for node in grp["nodes"]:
             if node.op_type in SAVES_NOTHING:
@@ -304,6 +338,8 @@ def graph_from_onnx(model_proto: onnx.ModelProto, entries: Iterable[ParameterEnt
             module=base,
             differentiable=not any(lacks_gradient(n) for n in grp["nodes"]),
             kernel_bytes=kernel_bytes[gi],
+            param_copy_bytes=copy_bytes[gi],
+            param_grad_bytes=PARAM_COPY_GRADIENTS * copy_bytes[gi] + grad_kernel_bytes[gi],
         ))
     params = []
     for e in entries:

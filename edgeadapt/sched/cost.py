@@ -46,7 +46,8 @@ from .plan import Peak, Plan
 from .resolve import trained_bytes
 
 __all__ = ["CostModel", "predict", "PHASES", "ENGINES", "CONSTANTS_FILES", "needs_grad", "live_bytes",
-           "activation_arrays", "ActivationArrays", "clean_cut", "channel_weight_bytes", "batch_norm_ops"]
+           "activation_arrays", "ActivationArrays", "clean_cut", "channel_weight_bytes", "batch_norm_ops",
+           "param_copy_bytes"]
 
 # The graph IR's op kind of a BatchNorm normalising with batch statistics.
 BATCH_NORM_KIND = "BatchNormalization"
@@ -387,6 +388,22 @@ def _activation_peaks(graph: Graph, arr: ActivationArrays, recompute: set[str]):
     return fwd, bwd
 
 
+def param_copy_bytes(graph: Graph, trained_params: set[str], start: int = 0) -> tuple[int, int]:
+    """Fixed (not per window) bytes of parameter copies (``Op.param_copy_bytes``,
+    ``Op.param_grad_bytes``) in a training graph from op ``start`` on, as (forward, backward).
+
+    The copies of ops whose own parameters train live through the whole step (their backward reads
+    them); the forward adds the largest copy of a frozen op (alive while that op runs), the backward
+    the largest gradient buffers of a trained op (alive while its backward runs). Taking the largest
+    at every op instead of at the op itself over-counts by at most that figure."""
+    trained = [i for i in range(start, len(graph.ops)) if any(p in trained_params for p in graph.ops[i].params)]
+    kept = sum(graph.ops[i].param_copy_bytes for i in trained)
+    frozen = set(range(start, len(graph.ops))) - set(trained)
+    frozen_copy = max((graph.ops[i].param_copy_bytes for i in frozen), default=0)
+    grad_buffers = max((graph.ops[i].param_grad_bytes for i in trained), default=0)
+    return kept + frozen_copy, kept + grad_buffers
+
+
 def _prefix_peak(graph: Graph, cut: int) -> tuple[int, str]:
     live = live_bytes(graph)
     best = (-1, "")
@@ -423,15 +440,16 @@ def predict(graph: Graph, plan: Plan, cost: CostModel | None = None) -> Peak:
     rollback = cost.rollback_bytes(trained, plan.optimizer)
     held = session + cache + rollback
     (fwd, fwd_op), (bwd, bwd_op) = _activation_peaks(graph, arr, set(plan.recomputed))
+    fwd_copies, bwd_copies = param_copy_bytes(graph, trained_names, start)
     phases: list[tuple[str, int, str]] = [("session", session, "session")]
     if caching:
         pre, pre_op = _prefix_peak(graph, plan.cut)
         phases.append(("features", session + cost.prefix_session_overhead_bytes + cache
                        + cost.activation_bytes(m, pre, inference=True), f"features:{pre_op}"))
     phases.append(("rollback", held, "rollback"))
-    phases.append(("forward", held + cost.activation_bytes(m, fwd), f"forward:{fwd_op}"))
+    phases.append(("forward", held + fwd_copies + cost.activation_bytes(m, fwd), f"forward:{fwd_op}"))
     if bwd >= 0:
-        phases.append(("backward", held + cost.activation_bytes(m, bwd), f"backward:{bwd_op}"))
+        phases.append(("backward", held + bwd_copies + cost.activation_bytes(m, bwd), f"backward:{bwd_op}"))
     phases.append(("optimizer", held + cost.optimizer_bytes(trained), "optimizer"))
     peak, where = max(((v, w) for _, v, w in phases), key=lambda t: t[0])  # first maximum in timeline order
     return Peak(peak, where, {name: v for name, v, _ in phases})

@@ -86,6 +86,14 @@ class Op:
         kernel_bytes: transient bytes per window its forward kernel allocates beyond the graph's
             tensors (a recurrent layer's gate buffers), freed after it; unlike ``workspace_bytes``
             not counted in its backward, whose kernel keeps no such buffer.
+        param_copy_bytes: bytes (not per window) of the tensors the op reads that are computed from
+            its parameters at every step, e.g. a recurrent layer's weights re-ordered per gate
+            (``Split`` + ``Concat`` of the initializers): alive while it runs and, when its
+            parameters train, until its backward has read them.
+        param_grad_bytes: bytes (not per window) its backward allocates for its parameters'
+            gradients beyond the gradients themselves when they train: the gradient with respect
+            to each copy above and one transform step's gradient as it is carried back to the
+            parameter, plus a recurrent gradient kernel's own weight-sized accumulators.
         flops: forward FLOPs per window (backward is costed as 2x by the planner).
         module: the module path it belongs to.
         saved_traced_bytes: what its backward keeps for exactly ``Graph.traced_windows`` windows
@@ -109,6 +117,8 @@ class Op:
     differentiable: bool = True
     saved_traced_bytes: int = 0
     kernel_bytes: int = 0
+    param_copy_bytes: int = 0
+    param_grad_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.differentiable, bool):
@@ -117,7 +127,8 @@ class Op:
         object.__setattr__(self, "inputs", tuple(self.inputs))
         _check_nonneg(f"op {self.name!r}", output_bytes=self.output_bytes, saved_bytes=self.saved_bytes,
                       workspace_bytes=self.workspace_bytes, flops=self.flops,
-                      saved_traced_bytes=self.saved_traced_bytes, kernel_bytes=self.kernel_bytes)
+                      saved_traced_bytes=self.saved_traced_bytes, kernel_bytes=self.kernel_bytes,
+                      param_copy_bytes=self.param_copy_bytes, param_grad_bytes=self.param_grad_bytes)
 
 
 @dataclass(frozen=True)
@@ -235,7 +246,9 @@ class Graph:
                      # only when False / nonzero: graphs without them serialise as before the fields existed
                      **({} if o.differentiable else {"differentiable": False}),
                      **({"saved_traced_bytes": o.saved_traced_bytes} if o.saved_traced_bytes else {}),
-                     **({"kernel_bytes": o.kernel_bytes} if o.kernel_bytes else {})}
+                     **({"kernel_bytes": o.kernel_bytes} if o.kernel_bytes else {}),
+                     **({"param_copy_bytes": o.param_copy_bytes} if o.param_copy_bytes else {}),
+                     **({"param_grad_bytes": o.param_grad_bytes} if o.param_grad_bytes else {})}
                     for o in self.ops],
             # only when measured: graphs without a loss serialise as before the fields existed
             **({"loss_saved_bytes": self.loss_saved_bytes, "loss_peak_bytes": self.loss_peak_bytes}

@@ -171,7 +171,16 @@ def timeline(graph: Graph, plan: Plan, cost: CostModel | None = None) -> list[Ti
         if j in cands and ops[j].name not in recompute:
             sim.act[f"saved:{ops[j].name}"] = ops[j].saved_bytes
 
+    # Parameter copies (fixed bytes): a trained op's live through the step; the largest of a
+    # frozen op's in the forward and of a trained op's gradient buffers in the backward are
+    # counted at every op (the closed form's conservative reading).
+    own = [i >= start and bool(set(op.params) & trained_names) for i, op in enumerate(ops)]
+    kept_copies = sum(op.param_copy_bytes for i, op in enumerate(ops) if own[i])
+    sim.fixed["param_copies"] = kept_copies + max(
+        [op.param_copy_bytes for i, op in enumerate(ops) if i >= start and not own[i]], default=0)
     run_forward(start, n - 1, "forward", keep_saved)
+    sim.fixed["param_copies"] = kept_copies + max(
+        [op.param_grad_bytes for i, op in enumerate(ops) if own[i]], default=0)
     for key in [k for k in sim.act if k.startswith("t:")]:
         del sim.act[key]
 
@@ -193,6 +202,7 @@ def timeline(graph: Graph, plan: Plan, cost: CostModel | None = None) -> list[Ti
         if c is not None and chunk_start[c] == j:
             sim.act.pop(f"saved:{ops[c].name}", None)
     sim.act.clear()
+    del sim.fixed["param_copies"]
     sim.fixed["optimizer"] = cost.optimizer_bytes(trained)
     sim.record("optimizer", "optimizer")
     return sim.events

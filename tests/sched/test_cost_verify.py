@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 from sched_testgraphs import random_graph, random_plan
@@ -25,6 +26,37 @@ def test_predict_and_verify_agree_on_random_plans(cost):
         g = random_graph(rng, rng.randint(1, 12))
         plan = random_plan(rng, g)
         assert verify(g, plan, cost=cost) == predict(g, plan, cost), plan
+
+
+def test_predict_and_verify_agree_with_parameter_copies():
+    """Ops reading copies of their parameters (fixed bytes, and gradient buffers when they train):
+    the closed form and the simulation count them alike, and they only add to the peak."""
+    rng, sizes = random.Random(1), random.Random(2)
+    for _ in range(300):
+        g = random_graph(rng, rng.randint(1, 12))
+        plan = random_plan(rng, g)
+        with_copies = replace(g, ops=tuple(
+            replace(o, param_copy_bytes=sizes.choice([0, sizes.randint(1, 500)]),
+                    param_grad_bytes=sizes.choice([0, sizes.randint(1, 1500)])) for o in g.ops))
+        peak = predict(with_copies, plan, COST)
+        assert verify(with_copies, plan, cost=COST) == peak, plan
+        assert peak.peak_bytes >= predict(g, plan, COST).peak_bytes
+
+
+def test_a_trained_ops_parameter_copies_are_kept_through_the_backward():
+    """b reads a 40-byte copy of its weight (gradient buffers 90 bytes): trained, the copy is held
+    in the forward and the backward, which also holds the buffers; frozen, the forward holds the
+    copy while b runs and the backward nothing of it."""
+    g = _chain()
+    g = replace(g, ops=(g.ops[0], replace(g.ops[1], param_copy_bytes=40, param_grad_bytes=90), g.ops[2]))
+    base = _chain()
+    for b_mode, fwd_extra, bwd_extra in (("full", 40, 130), ("frozen", 40, 0)):
+        plan = Plan("chain", (ParamPlan("b.w", b_mode), ParamPlan("c.h", "full")), cut=0 if b_mode == "full" else 1,
+                    batch_windows=4, micro_batch_windows=2, n_windows=8)
+        with_copy, without = predict(g, plan, CostModel()), predict(base, plan, CostModel())
+        assert with_copy.phases_bytes["forward"] - without.phases_bytes["forward"] == fwd_extra
+        assert with_copy.phases_bytes["backward"] - without.phases_bytes["backward"] == bwd_extra
+        assert with_copy.phases_bytes["optimizer"] == without.phases_bytes["optimizer"]
 
 
 def _chain() -> Graph:

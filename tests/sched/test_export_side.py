@@ -181,4 +181,9 @@ def test_a_recurrent_layer_keeps_every_step_state_and_gate(cell, bidirectional, 
     assert live_bytes(g)[i] - live_bytes(base)[i] == op.kernel_bytes
     trained = {p.name for p in g.params}
     assert activation_arrays(g, trained).grad_transient == activation_arrays(base, trained).grad_transient
+    # Its weights are re-ordered per gate at every step (W, R and both biases: fixed bytes), and
+    # its gradient kernel accumulates through W- and R-sized buffers of its own.
+    rows = directions * (3 if cell is nn.GRU else 4) * hidden
+    assert op.param_copy_bytes == 4 * (rows * features + rows * hidden + 2 * rows)
+    assert op.param_grad_bytes == 2 * op.param_copy_bytes + 4 * rows * (features + hidden)
     assert Graph.from_dict(g.to_dict()) == g
