@@ -215,12 +215,16 @@ def build_problem(graph: Graph, units: tuple[Unit, ...], cost: CostModel, *, mic
                              + cost.graph_op_bytes * (len(graph.ops) - start)
                              + cost.batch_norm_bytes(graph, start, m, grad))  # as predict's session
             cache_bytes = n_windows * graph.ops[cut].output_bytes if cache else 0
+            # Parameter copies, bounded over every trained subset: all copies of the training
+            # graph kept, plus the largest gradient buffers of an op that may train.
+            copies = (sum(op.param_copy_bytes for op in graph.ops[start:])
+                      + max((op.param_grad_bytes for op in graph.ops[k:]), default=0))
             features = (session_fixed + cost.prefix_session_overhead_bytes + cache_bytes
                         + cost.activation_bytes(m, max(live[: cut + 1]), inference=True)) if cache else 0
             for remat, act in ((False, keep), (True, low)):
                 if remat and (not allow_remat or low >= keep):
                     continue
-                configs.append(Config(k, cut, cache, remat, session_fixed + cache_bytes
+                configs.append(Config(k, cut, cache, remat, session_fixed + cache_bytes + copies
                                       + cost.activation_bytes(m, act), features,
                                       (0.0 if cache else 1.0) + (2.0 if remat else 0.0)))
                 opt_fixed.append(session_fixed + cache_bytes)

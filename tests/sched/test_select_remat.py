@@ -208,3 +208,34 @@ def test_selection_peak_covers_predict_with_channel_splits():
             assert predict(g, plan, SPLIT_COST).peak_bytes <= selection_peak(problem, chosen, j) + 2
             checked += 1
     assert checked > 200
+
+
+def test_selection_peak_covers_predict_with_parameter_copies():
+    """Ops reading copies of their parameters (``Op.param_copy_bytes`` / ``param_grad_bytes``):
+    ``selection_peak`` still bounds ``predict`` from above for any selection and configuration."""
+    from edgeadapt.sched.batching import _plan_from_selection
+    from edgeadapt.sched.select import Selection
+
+    rng, sizes = random.Random(9), random.Random(10)
+    checked = 0
+    for _ in range(60):
+        g = random_graph(rng, rng.randint(1, 6))
+        g = replace(g, ops=tuple(replace(o, param_copy_bytes=sizes.choice([0, sizes.randint(1, 400)]),
+                                         param_grad_bytes=sizes.choice([0, sizes.randint(1, 1200)]))
+                                 for o in g.ops))
+        importance = {p.name: rng.random() for p in g.params}
+        n_windows, m = rng.randint(1, 20), rng.randint(1, 3)
+        problem = build_problem(g, candidate_units(g, importance)[:10], COST, micro_batch_windows=m,
+                                n_windows=n_windows, optimizer="adamw", allow_remat=False)
+        base = Plan(g.name, tuple(ParamPlan(p.name, "frozen") for p in g.params), batch_windows=4,
+                    micro_batch_windows=m, n_windows=n_windows, optimizer="adamw")
+        for _ in range(10):
+            chosen = tuple(sorted(rng.sample(range(len(problem.units)), rng.randint(1, len(problem.units)))))
+            configs = [j for j in range(len(problem.configs)) if selection_peak(problem, chosen, j) != float("inf")]
+            if not configs:
+                continue
+            j = rng.choice(configs)
+            plan, _ = _plan_from_selection(g, problem, Selection(chosen, j, 0.0), base)
+            assert predict(g, plan, COST).peak_bytes <= selection_peak(problem, chosen, j) + 2
+            checked += 1
+    assert checked > 200
