@@ -270,8 +270,10 @@ def label_free_report(bundle_dir: str | os.PathLike, *, n_windows: int | None = 
 def format_label_free(r: dict[str, Any], measured: dict[str, Any] | None = None) -> str:
     """The human-readable form of :func:`label_free_report` (and of its measurement)."""
     budget = "none" if r["budget_bytes"] is None else format_bytes(r["budget_bytes"])
-    out = [f"label-free   adapt_unlabeled over {r['n_windows']} windows ({r['gate_windows']} held back for the "
-           f"gate), engine {r['engine']}, budget {budget}",
+    held_back = (f"{r['gate_windows']} held back for the gate at a time, every window once" if r.get("cross_fit")
+                 else f"{r['gate_windows']} held back for the gate")
+    out = [f"label-free   adapt_unlabeled over {r['n_windows']} windows ({held_back}), engine {r['engine']}, "
+           f"budget {budget}",
            f"  stages     {', '.join(r['stages']) or 'none'}",
            *(f"  skipped    {s}" for s in r["skipped"]),
            f"  passes     {r['pass_windows']} windows per inference pass"

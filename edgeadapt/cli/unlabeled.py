@@ -59,7 +59,9 @@ def run_unlabeled(args: argparse.Namespace, runner, X: np.ndarray) -> int:
     gate = result.gate
     verdict = ("kept the adaptation" if result.kept else "returned to the source model")
     print(f"{verdict}: stages {', '.join(result.stages) or 'none'}; {result.n_adapt_windows} windows adapted on, "
-          f"{result.n_gate_windows} held back for the gate")
+          + (f"each held back once for the gate (cross-fitted: {result.settings['gate_fraction']:.0%} at a time)"
+             if result.cross_fitted
+             else f"{result.n_gate_windows} held back for the gate"))
     if result.stats_layer_weights:
         weights = list(result.stats_layer_weights.values())
         layers = f"{len(weights)} BatchNorm layer{'s' * (len(weights) != 1)}"

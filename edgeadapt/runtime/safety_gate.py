@@ -36,7 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["GateSettings", "ModelEvidence", "GateDecision", "augmented_views", "view_logits", "evidence",
-           "agreement_changes", "agreement_loss", "decide", "softmax", "normalized_entropy", "collapsed"]
+           "agreement_changes", "agreement_loss", "decide", "softmax", "normalized_entropy", "collapsed",
+           "pool_evidence"]
 
 # Perturbations of augmented_views, in units of the (normalised) input: per-channel gain factor
 # exp(U(-g, g)), additive Gaussian noise of this fraction of each window's channel std, circular
@@ -183,6 +184,27 @@ def evidence(clean_logits: np.ndarray, view_logits: list[np.ndarray]) -> ModelEv
     share = np.bincount(classes, minlength=probs.shape[1]).max() / len(classes)
     return ModelEvidence(agreement, float(normalized_entropy(probs).mean()), float(share),
                          tuple(int(c) for c in classes), tuple(bool(a) for a in agrees))
+
+
+def pool_evidence(parts: list[ModelEvidence]) -> ModelEvidence:
+    """One model's evidence on the union of disjoint sets of windows (the folds of a cross-fitted
+    call), each part with the same number of views: as :func:`evidence` on all the windows at
+    once (agreement and entropy averaged over windows, the class share over all of them)."""
+    if not parts:
+        raise ValueError("no evidence to pool")
+    sizes = [len(p.classes) for p in parts]
+    views = {len(p.view_agrees) // n for p, n in zip(parts, sizes) if n}
+    if len(views) > 1 or any(len(p.view_agrees) % max(n, 1) for p, n in zip(parts, sizes)):
+        raise ValueError("the parts' evidence has different numbers of views")
+    n_views = views.pop() if views else 0
+    classes = np.concatenate([np.asarray(p.classes, int) for p in parts])
+    agrees = np.concatenate([np.asarray(p.view_agrees, bool).reshape(n_views, n) for p, n in zip(parts, sizes)],
+                            axis=1) if n_views else np.ones((0, len(classes)), bool)
+    total = len(classes)
+    entropy = sum(p.mean_entropy * n for p, n in zip(parts, sizes)) / total
+    return ModelEvidence(float(agrees.mean()) if agrees.size else 1.0, float(entropy),
+                         float(np.bincount(classes).max() / total), tuple(int(c) for c in classes),
+                         tuple(bool(a) for a in agrees.ravel()))
 
 
 def collapsed(model: ModelEvidence, source: ModelEvidence, settings: GateSettings) -> str | None:

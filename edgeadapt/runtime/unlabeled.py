@@ -39,7 +39,11 @@ After every stage the adapter checks for **collapse** on the windows it just saw
 nearly everything, entropy falling to zero) and **resets** that stage to the state before it.
 Finally the **safety gate** (:mod:`.safety_gate`) compares the adapted and the source model on
 held-back windows and keeps the adaptation or returns to the source model;
-:class:`UnlabeledResult` reports the decision and its evidence.
+:class:`UnlabeledResult` reports the decision and its evidence. An offline call cross-fits the
+gate (``cross_fit``): each fold of ``gate_fraction`` of the windows is held back in turn while the
+others are adapted on, so the gate's evidence covers every window (four times as many as one
+held-back share) and the adaptation kept is made from every window; a stream holds back its
+first windows.
 
 Memory is bounded: the adapter holds a copy of the tensors it may change (the source values),
 the per-channel and per-class sums, and at most ``gate_windows`` held-back windows; it runs
@@ -58,7 +62,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
@@ -66,8 +70,8 @@ from .arrays import Rows
 from .features import suffix_inputs
 from .head_features import HeadFeatures, LinearHead
 from .peaks import AdaptPeaks
-from .safety_gate import (GateDecision, GateSettings, collapsed, decide, evidence, normalized_entropy, softmax,
-                          view_logits)
+from .safety_gate import (GateDecision, GateSettings, collapsed, decide, evidence, normalized_entropy,
+                          pool_evidence, softmax, view_logits)
 from .stats_shrinkage import GroupedStatistics, shrinkage_weight
 
 __all__ = ["UnlabeledSettings", "UnlabeledResult", "UnlabeledAdapter", "held_back_windows", "adapt_unlabeled",
@@ -135,8 +139,13 @@ class UnlabeledSettings:
         prototype_threshold: windows with normalised entropy below this make prototypes.
         min_prototype_windows: a class needs this many confident windows to get a prototype.
         gate: ``False``: keep whatever the stages produced (no held-back windows, no gate).
-        gate_fraction: share of an offline call's windows held back for the gate.
-        gate_windows: at most this many held-back windows (the first ones of a stream).
+        gate_fraction: share of an offline call's windows held back for the gate at a time.
+        gate_windows: at most this many held-back windows at a time (the first ones of a stream).
+        cross_fit: an offline call's gate sees every window: the windows are cut into folds of
+            ``gate_fraction`` (at most ``gate_windows``), each held back in turn while the
+            others are adapted on, and the gate decides on the evidence of all the folds about
+            the adaptation made from every window (``False``: one fold is held back and never
+            adapted on). A stream holds back its first windows either way.
         gate_views: augmented views per held-back window.
         gate_settings: the gate's thresholds.
         seed: seeds the held-back choice, the entropy batches and the views.
@@ -156,6 +165,7 @@ class UnlabeledSettings:
     gate_fraction: float = 0.25
     gate_windows: int = 64
     gate_views: int = 2
+    cross_fit: bool = True
     gate_settings: GateSettings = field(default_factory=GateSettings)
     seed: int = 0
 
@@ -177,6 +187,8 @@ class UnlabeledSettings:
         for name in ("entropy_threshold", "anchor", "prototype_mix", "prototype_threshold"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
+        if not isinstance(self.cross_fit, bool):
+            raise ValueError(f"cross_fit must be a bool, got {self.cross_fit!r}")
         if not 0 < self.gate_fraction < 1:
             raise ValueError(f"gate_fraction must be in (0, 1), got {self.gate_fraction!r}")
 
@@ -208,7 +220,9 @@ class UnlabeledResult:
         skipped: stages that could not run on this bundle, with the reason.
         resets: the last resets (at most ``MAX_RESETS_KEPT``): the stage (or ``gate``, in a
             stream) and what was seen; n_resets: how many there were in all.
-        n_adapt_windows: windows adapted on; n_gate_windows: windows held back for the gate.
+        n_adapt_windows: windows adapted on; n_gate_windows: windows the gate's evidence covers
+            (held back for it; cross-fitted, every window once, in folds); cross_fitted: whether
+            the gate's evidence came from the folds of a cross-fitted call.
         stats_weight: the final target weight ``w`` of the statistics, averaged over the
             BatchNorm layers (0 when not applied); stats_layer_weights: each layer's ``w``.
         steps: entropy optimizer steps taken; updates: batches seen.
@@ -234,6 +248,7 @@ class UnlabeledResult:
     call_peak_bytes: int | None = None
     call_peak_anon_bytes: int | None = None
     stats_layer_weights: dict[str, float] = field(default_factory=dict)
+    cross_fitted: bool = False
 
 
 class _EvalFeatures:
@@ -362,8 +377,10 @@ class UnlabeledAdapter:
         passes, stats = self._pass_windows, self._stats_windows if self._stats_on else None
         if n_windows is not None:
             gate = self._gate_rows if self.settings.gate else 0
-            passes = max(1, min(passes, max(n_windows - gate, gate)))
-            stats = None if stats is None else max(1, min(stats, n_windows - gate))
+            # a cross-fitted call ends adapting on every window (holding none back)
+            adapted = n_windows if self.settings.gate and self.settings.cross_fit else n_windows - gate
+            passes = max(1, min(passes, max(adapted, gate)))
+            stats = None if stats is None else max(1, min(stats, adapted))
         return self.runner._call_plan.predict_label_free(
             held_bytes=self._held_bytes(), pass_windows=passes, stats_windows=stats,
             view_bytes_per_window=self._view_bytes_per_window(), entropy_steps=self._entropy_on)
@@ -383,6 +400,7 @@ class UnlabeledAdapter:
         return {"stages": [name for name, on in (("stats", self._stats_on), ("entropy", self._entropy_on),
                                                  ("prototypes", self._prototypes_on())) if on],
                 "skipped": list(self._skipped), "gate_windows": self._gate_rows if self.settings.gate else 0,
+                "cross_fit": self.settings.gate and self.settings.cross_fit,
                 "pass_windows": self._pass_windows, "stats_windows": self._stats_windows if self._stats_on else None,
                 "entropy_step_windows": self._entropy_batch if self._entropy_on else None,
                 "held_bytes": self._held_bytes(),
@@ -676,9 +694,13 @@ class UnlabeledAdapter:
         self._restore(self._source)
         self._reset_sums()
 
-    def finish(self) -> UnlabeledResult:
-        """Apply the gate (returning to the source model if it refuses) and report."""
-        decision = self.gate()
+    def finish(self, decision: GateDecision | None = None) -> UnlabeledResult:
+        """Apply the gate (returning to the source model if it refuses) and report.
+
+        ``decision``: the gate's decision made on evidence gathered elsewhere (the folds of a
+        cross-fitted call); default: asked now on this adapter's held-back windows."""
+        external = decision is not None
+        decision = decision if external else self.gate()
         stages = self.stages()
         kept = bool(stages) and (decision is None or decision.kept)
         layer_weights = self.layer_weights() if kept and "stats" in stages else {}
@@ -693,7 +715,8 @@ class UnlabeledAdapter:
                      "" if decision.kept else " (" + "; ".join(decision.reasons) + ")")
         return UnlabeledResult(kept, decision, stages if kept else (), tuple(self._skipped), tuple(self._resets),
                                self._n_resets,
-                               self._n_adapt, self._gate_fill, weight, self._steps, self._updates,
+                               self._n_adapt, decision.n_windows if external else self._gate_fill, weight,
+                               self._steps, self._updates,
                                self.settings.to_dict(), time.perf_counter() - self._start,
                                stats_layer_weights=layer_weights)
 
@@ -728,6 +751,8 @@ def adapt_unlabeled(runner, X: np.ndarray, settings: UnlabeledSettings | None = 
         raise ValueError(f"label-free adaptation needs at least 2 windows, got {len(X)}")
     n_gate = held_back_windows(settings, len(X))
     with AdaptPeaks() as peaks:
+        if settings.gate and settings.cross_fit:
+            return _with_peaks(_cross_fitted(runner, X, settings, n_gate), peaks)
         adapter = UnlabeledAdapter(runner, settings, gate_rows=n_gate if settings.gate else 0)
         order = np.random.default_rng(settings.seed).permutation(len(X))
         if settings.gate:
@@ -737,6 +762,35 @@ def adapt_unlabeled(runner, X: np.ndarray, settings: UnlabeledSettings | None = 
             adapter.update(X)
         result = adapter.finish()
     return _with_peaks(result, peaks)
+
+
+def _cross_fitted(runner, X: np.ndarray, settings: UnlabeledSettings, n_gate: int) -> UnlabeledResult:
+    """The offline call with a cross-fitted gate (``UnlabeledSettings.cross_fit``): the seeded
+    permutation of the windows is cut into folds of ``n_gate``; for each, an adapter holds it back
+    and adapts on the others (in the caller's order), its evidence on the fold is kept and the
+    runner returns to the source model. Then one adapter adapts on every window and the gate
+    decides on the evidence of all the folds (and on the classes of every window adapted on).
+    One adapter is alive at a time, so the call holds what one fold's holds."""
+    order = np.random.default_rng(settings.seed).permutation(len(X))
+    source, adapted = [], []
+    for start in range(0, len(X), n_gate):
+        held = order[start:start + n_gate]
+        adapter = UnlabeledAdapter(runner, settings, gate_rows=len(held))
+        adapter.hold_back(X[held], last=True)
+        adapter.update(X, rows=np.sort(np.concatenate([order[:start], order[start + n_gate:]])))
+        decision = adapter.gate()
+        adapter.reset()
+        del adapter  # its source copies and held-back windows go before the next one's are taken
+        if decision is None:  # no stage runs: nothing to gate
+            break
+        source.append(decision.source)
+        adapted.append(decision.adapted)
+    final = UnlabeledAdapter(runner, settings, gate_rows=0)
+    final.update(X)
+    decision = None
+    if source:
+        decision = decide(pool_evidence(source), pool_evidence(adapted), settings.gate_settings, final._class_counts)
+    return replace(final.finish(decision), cross_fitted=decision is not None)
 
 
 def adapt_stream(runner, batches: Iterable[np.ndarray], settings: UnlabeledSettings | None = None) -> UnlabeledResult:

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from edgeadapt.runtime.safety_gate import (
-    GateSettings, ModelEvidence, agreement_changes, agreement_loss, augmented_views, decide, evidence, view_logits,
+    GateSettings, ModelEvidence, agreement_changes, agreement_loss, augmented_views, decide, evidence, pool_evidence,
+    view_logits,
 )
 from edgeadapt.runtime.unlabeled import MAX_RESETS_KEPT, UnlabeledAdapter, UnlabeledSettings
 
@@ -320,7 +321,7 @@ def test_gate_keeps_a_helpful_adaptation(toy_bundle):
     result = runner.adapt_unlabeled(X, UnlabeledSettings(stats_prior_windows=1.0, prototype_mix=0.0,
                                                          gate_settings=gate))
     assert result.kept and result.gate.kept and result.stages == ("stats",)
-    assert result.n_gate_windows + result.n_adapt_windows == len(X)
+    assert result.n_gate_windows == result.n_adapt_windows == len(X)  # cross-fitted: every window, both roles
     assert accuracy(runner, X, y) > 0.95
 
 
@@ -410,6 +411,56 @@ def test_evidence_and_views():
     e = evidence(logits, [logits, logits[::-1]])
     assert e.max_class_share == pytest.approx(0.4)
     assert e.view_agreement == pytest.approx((1.0 + np.mean(logits.argmax(1) == logits[::-1].argmax(1))) / 2)
+
+
+def test_pooled_evidence_is_the_evidence_of_all_the_windows():
+    """Evidence pooled over disjoint parts equals the evidence computed on all their windows at
+    once (views view-major), on random logits of random part sizes."""
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        sizes = rng.integers(1, 12, size=rng.integers(1, 5))
+        n_views, n = int(rng.integers(0, 4)), int(sizes.sum())
+        logits = rng.standard_normal((n, 4)) * 3
+        views = [logits + rng.standard_normal((n, 4)) * 2 for _ in range(n_views)]
+        cuts = np.cumsum(sizes)[:-1]
+        parts = [evidence(c, [v[a:b] for v in views]) for c, (a, b) in
+                 zip(np.split(logits, cuts), zip([0, *cuts], [*cuts, n]))]
+        whole, pooled = evidence(logits, views), pool_evidence(parts)
+        assert pooled.classes == whole.classes and pooled.view_agrees == whole.view_agrees
+        assert pooled.view_agreement == pytest.approx(whole.view_agreement)
+        assert pooled.mean_entropy == pytest.approx(whole.mean_entropy)
+        assert pooled.max_class_share == pytest.approx(whole.max_class_share)
+    with pytest.raises(ValueError, match="different numbers of views"):
+        pool_evidence([evidence(logits[:2], [logits[:2]]), evidence(logits[2:4], [])])
+
+
+def test_the_cross_fitted_gate_sees_every_window_once_with_the_source_model_on_it(toy_bundle):
+    """Folds of the seeded permutation: the pooled source evidence is the source model's classes
+    on every window in that order; the adaptation kept is the one made from every window (the
+    statistics of all the windows, as a call without a gate makes them)."""
+    X, _ = balanced(20)
+    X[:, 2] += 1.5 * AMPLITUDE
+    settings = UnlabeledSettings(stats_prior_windows=1.0, stats_weighting="count", prototype_mix=0.0,
+                                 gate_settings=GateSettings(max_changed_fraction=1.0, label_shift_share=1.0))
+    runner = load(toy_bundle)
+    source_classes = runner.predict(X).argmax(axis=1)
+    result = runner.adapt_unlabeled(X, settings)
+    order = np.random.default_rng(settings.seed).permutation(len(X))
+    assert result.cross_fitted and result.gate.n_windows == len(X)
+    assert result.gate.source.classes == tuple(int(c) for c in source_classes[order])
+    assert len(result.gate.adapted.view_agrees) == settings.gate_views * len(X)
+    assert result.kept
+    ungated = load(toy_bundle)
+    ungated.adapt_unlabeled(X, UnlabeledSettings(**{**settings.to_dict(), "gate": False}))
+    for name in runner._backend.parameter_names():
+        if name.endswith(("running_mean", "running_var")):
+            np.testing.assert_array_equal(runner._backend.get_tensor(name), ungated._backend.get_tensor(name))
+
+
+def test_one_held_back_fold_without_cross_fitting(toy_bundle):
+    X, _ = balanced(20)
+    result = load(toy_bundle).adapt_unlabeled(X, UnlabeledSettings(prototype_mix=0.0, cross_fit=False))
+    assert not result.cross_fitted and result.n_gate_windows == 15 and result.n_adapt_windows == 45
 
 
 @pytest.mark.parametrize("engine", ["ort-training", "portable"])
@@ -567,9 +618,13 @@ def test_cli_adapt_unlabeled(tmp_path, toy_bundle, capsys, stream):
             "--device", "cpu"] + (["--stream-batch", stream] if stream else [])
     assert main(args) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert report["n_gate_windows"] + report["n_adapt_windows"] == len(X)
-    assert report["gate"] is not None and set(report["gate"]) >= {"kept", "reasons", "source", "adapted"}
     gate_windows = UnlabeledSettings().gate_windows  # a stream's first ones are held back
+    if stream is None:  # cross-fitted: every window adapted on, and held back once
+        assert report["cross_fitted"] and report["n_gate_windows"] == report["n_adapt_windows"] == len(X)
+    else:
+        assert not report["cross_fitted"] and report["n_gate_windows"] == gate_windows
+        assert report["n_gate_windows"] + report["n_adapt_windows"] == len(X)
+    assert report["gate"] is not None and set(report["gate"]) >= {"kept", "reasons", "source", "adapted"}
     assert report["updates"] == (1 if stream is None else (len(X) - gate_windows) // 8)
     assert (tmp_path / "out" / "manifest.json").is_file()
     # what was saved is what the runner held after the gate
@@ -621,7 +676,7 @@ def test_cli_adapt_unlabeled_reads_a_file_without_labels_or_subjects(tmp_path, t
     assert "missing key 'y'" in capsys.readouterr().err
     assert main([*args, "--unlabeled", "--json"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert report["n_gate_windows"] + report["n_adapt_windows"] == len(X)
+    assert report["n_gate_windows"] == report["n_adapt_windows"] == len(X)
 
 
 @pytest.mark.parametrize("backend", ["ort-training", "portable"])
@@ -639,7 +694,7 @@ def test_cli_adapt_unlabeled_runs_on_a_labelled_loss_bundle_and_ignores_the_labe
         assert main(["adapt", str(bundle), "--data", str(data), "--out", str(out), "--unlabeled", "--json",
                      "--device", "cpu"]) == 0, capsys.readouterr().err
         report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-        assert report["n_gate_windows"] + report["n_adapt_windows"] == len(X)
+        assert report["n_gate_windows"] == report["n_adapt_windows"] == len(X)
 
 
 def test_cli_prints_the_statistics_weight(tmp_path, toy_bundle, capsys):
