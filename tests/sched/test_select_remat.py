@@ -183,12 +183,31 @@ def test_milp_counts_channel_weight_copies_exactly():
     assert checked > 60 and split_chosen > 0 and decided > 5
 
 
-def test_selection_peak_covers_predict_with_channel_splits():
-    """``selection_peak`` bounds ``predict`` from above (up to rounding) for any selection and
-    configuration, channel-split parameters included: the solvers never accept what predict refuses."""
+def _covered_selections(rng, g, problem, cost, n_windows: int, tries: int = 10) -> int:
+    """For ``tries`` random selections of ``problem``'s units (built for ``n_windows``) under a
+    random configuration they fit: ``predict`` of the plan made from it is at most ``selection_peak`` (up to rounding).
+    Returns how many were checked."""
     from edgeadapt.sched.batching import _plan_from_selection
     from edgeadapt.sched.select import Selection
 
+    base = Plan(g.name, tuple(ParamPlan(p.name, "frozen") for p in g.params), batch_windows=4,
+                micro_batch_windows=problem.micro_batch_windows, n_windows=n_windows, optimizer="adamw")
+    checked = 0
+    for _ in range(tries):
+        chosen = tuple(sorted(rng.sample(range(len(problem.units)), rng.randint(1, len(problem.units)))))
+        configs = [j for j in range(len(problem.configs)) if selection_peak(problem, chosen, j) != float("inf")]
+        if not configs:
+            continue
+        j = rng.choice(configs)
+        plan, _ = _plan_from_selection(g, problem, Selection(chosen, j, 0.0), base)
+        assert predict(g, plan, cost).peak_bytes <= selection_peak(problem, chosen, j) + 2
+        checked += 1
+    return checked
+
+
+def test_selection_peak_covers_predict_with_channel_splits():
+    """``selection_peak`` bounds ``predict`` from above (up to rounding) for any selection and
+    configuration, channel-split parameters included: the solvers never accept what predict refuses."""
     rng = random.Random(8)
     checked = 0
     for _ in range(60):
@@ -196,26 +215,13 @@ def test_selection_peak_covers_predict_with_channel_splits():
         n_windows = rng.randint(1, 20)
         problem = build_problem(g, problem.units, SPLIT_COST, micro_batch_windows=problem.micro_batch_windows,
                                 n_windows=n_windows, optimizer="adamw", allow_remat=False)
-        base = Plan(g.name, tuple(ParamPlan(p.name, "frozen") for p in g.params), batch_windows=4,
-                    micro_batch_windows=problem.micro_batch_windows, n_windows=n_windows, optimizer="adamw")
-        for _ in range(10):
-            chosen = tuple(sorted(rng.sample(range(len(problem.units)), rng.randint(1, len(problem.units)))))
-            configs = [j for j in range(len(problem.configs)) if selection_peak(problem, chosen, j) != float("inf")]
-            if not configs:
-                continue
-            j = rng.choice(configs)
-            plan, _ = _plan_from_selection(g, problem, Selection(chosen, j, 0.0), base)
-            assert predict(g, plan, SPLIT_COST).peak_bytes <= selection_peak(problem, chosen, j) + 2
-            checked += 1
+        checked += _covered_selections(rng, g, problem, SPLIT_COST, n_windows)
     assert checked > 200
 
 
 def test_selection_peak_covers_predict_with_parameter_copies():
     """Ops reading copies of their parameters (``Op.param_copy_bytes`` / ``param_grad_bytes``):
     ``selection_peak`` still bounds ``predict`` from above for any selection and configuration."""
-    from edgeadapt.sched.batching import _plan_from_selection
-    from edgeadapt.sched.select import Selection
-
     rng, sizes = random.Random(9), random.Random(10)
     checked = 0
     for _ in range(60):
@@ -224,18 +230,8 @@ def test_selection_peak_covers_predict_with_parameter_copies():
                                          param_grad_bytes=sizes.choice([0, sizes.randint(1, 1200)]))
                                  for o in g.ops))
         importance = {p.name: rng.random() for p in g.params}
-        n_windows, m = rng.randint(1, 20), rng.randint(1, 3)
-        problem = build_problem(g, candidate_units(g, importance)[:10], COST, micro_batch_windows=m,
+        n_windows = rng.randint(1, 20)
+        problem = build_problem(g, candidate_units(g, importance)[:10], COST, micro_batch_windows=rng.randint(1, 3),
                                 n_windows=n_windows, optimizer="adamw", allow_remat=False)
-        base = Plan(g.name, tuple(ParamPlan(p.name, "frozen") for p in g.params), batch_windows=4,
-                    micro_batch_windows=m, n_windows=n_windows, optimizer="adamw")
-        for _ in range(10):
-            chosen = tuple(sorted(rng.sample(range(len(problem.units)), rng.randint(1, len(problem.units)))))
-            configs = [j for j in range(len(problem.configs)) if selection_peak(problem, chosen, j) != float("inf")]
-            if not configs:
-                continue
-            j = rng.choice(configs)
-            plan, _ = _plan_from_selection(g, problem, Selection(chosen, j, 0.0), base)
-            assert predict(g, plan, COST).peak_bytes <= selection_peak(problem, chosen, j) + 2
-            checked += 1
+        checked += _covered_selections(rng, g, problem, COST, n_windows)
     assert checked > 200
