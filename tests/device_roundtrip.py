@@ -52,7 +52,7 @@ def main(bundle: str, data: str, out: str, epochs: str, batch: str) -> None:
     np.testing.assert_allclose(exported, predicted, rtol=1e-5, atol=1e-6 * float(np.abs(predicted).max()))
 
     # Label-free adaptation of the source model on the same windows (labels unused): the
-    # prototype head and the gate on the held-back windows (the bundle keeps frozen statistics).
+    # prototype head and the cross-fitted gate (the bundle keeps frozen statistics).
     label_free = Runner.load(bundle, device="cpu", threads=1, backend="portable").adapt_unlabeled(X)
 
     np.savez(out_dir / "parameters.npz", **after)
