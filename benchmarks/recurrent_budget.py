@@ -88,7 +88,7 @@ def to_markdown(rows: list[dict], command: str, args) -> str:
     out = [f"Command: `{command}` ({args.n_windows} windows, batch {args.batch}, {args.epochs} epochs, "
            f"{args.time_steps} steps, full fine-tuning, onnxruntime-training, 1 thread). KiB over the process "
            "just before the call, freed heap returned to the OS first.", "",
-           "| net (input:hidden) | micro | parameter copies + gradient buffers | expected | bound = budget - 1 "
+           "| net (input:hidden) | micro | parameter copies + gradient buffers | expected | bound (= budget - 1 KiB) "
            "| measured anon | measured total | bound/anon |",
            "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
