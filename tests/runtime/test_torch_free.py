@@ -82,7 +82,7 @@ def test_cli_adapt_never_imports_torch(cnn_bundle, tmp_path, rng):
 
 
 MIXED = """
-import sys, tempfile
+import sys
 import numpy as np
 sys.path.insert(0, TESTS)
 if FIRST == "runtime":
@@ -94,7 +94,7 @@ from edgeadapt.export import UpdatePolicy, export_bundle
 from edgeadapt.runtime import Runner
 import onnxruntime as ort
 from onnxruntime.training import api, artifacts
-out = tempfile.mkdtemp() + "/b"
+out = OUT
 export_bundle(make_cnn(), torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(0)), out,
               policy=UpdatePolicy.last_layer())
 runner = Runner.load(out, device="cpu")
@@ -106,10 +106,11 @@ print(loss, len(list(state.parameters)) > 0, callable(ort.InferenceSession))
 
 @torch_installed
 @pytest.mark.parametrize("first", ["runtime", "exporter"])
-def test_exporter_and_runner_share_a_process(first):
+def test_exporter_and_runner_share_a_process(first, tmp_path):
     """The torch-free import leaves onnxruntime whole: the exporter (onnxruntime.training with
     torch) works after the runtime was imported, and the runner after the exporter."""
-    code = MIXED.replace("TESTS", repr(str(REPO / "tests"))).replace("FIRST", repr(first))
+    code = (MIXED.replace("TESTS", repr(str(REPO / "tests"))).replace("FIRST", repr(first))
+            .replace("OUT", repr(str(tmp_path / "b"))))
     proc = run_python(code, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     loss, has_params, has_session = proc.stdout.split()[-3:]

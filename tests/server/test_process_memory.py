@@ -21,7 +21,7 @@ import pytest
 from helpers import REPO, run_python
 
 SCRIPT = """
-import gc, json, sys, tempfile
+import gc, json, sys
 sys.path.insert(0, {tests!r})
 import torch
 torch.set_num_threads(1)
@@ -34,7 +34,7 @@ data = [(torch.randn(32, 12, generator=g), torch.randint(0, 5, (32,), generator=
 model = make_mlp(width=1024, depth=12)
 state = 16 * sum(p.numel() for p in model.parameters())  # weights, gradients, two AdamW moments
 budget = state // 8
-t = Trainer(model, memory_budget=budget, offload="disk", offload_dir=tempfile.mkdtemp(), device="cpu",
+t = Trainer(model, memory_budget=budget, offload="disk", offload_dir={offload_dir!r}, device="cpu",
             recompute="auto", example_input=data[0][0], update_chunk_numel=1 << 16)
 del model
 gc.collect()
@@ -53,8 +53,8 @@ t.close()
 
 
 @pytest.mark.slow  # ~15 s: a fresh interpreter importing torch
-def test_disk_tier_process_peak_agrees_with_the_tracked_peak():
-    r = run_python(SCRIPT.format(tests=str(REPO / "tests")), timeout_s=600)
+def test_disk_tier_process_peak_agrees_with_the_tracked_peak(tmp_path):
+    r = run_python(SCRIPT.format(tests=str(REPO / "tests"), offload_dir=str(tmp_path)), timeout_s=600)
     assert r.returncode == 0, r.stderr
     m = json.loads(r.stdout.strip().splitlines()[-1])
     assert m["state"] >= 8 * m["budget"]
