@@ -34,6 +34,10 @@ class Rows:
     def __len__(self) -> int:
         return len(self.rows)
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.rows), *self.data.shape[1:])
+
     def __getitem__(self, part: slice | np.ndarray) -> np.ndarray:
         return self.data[self.rows[part]]
 

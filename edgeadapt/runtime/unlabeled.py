@@ -441,8 +441,11 @@ class UnlabeledAdapter:
         return np.concatenate(parts)
 
     # ---- the gate's windows -------------------------------------------------------------
-    def hold_back(self, X: np.ndarray, last: bool = False) -> np.ndarray:
+    def hold_back(self, X: np.ndarray | Rows, last: bool = False) -> np.ndarray | Rows:
         """Keep windows of ``X`` for the gate (until ``gate_windows`` are kept); returns the rest.
+
+        ``X`` may be a :class:`Rows` view: the kept windows are then copied once, straight into
+        the gate's buffer.
 
         Held-back windows are never adapted on; the source model's evidence on them is taken
         when they arrive, so hold windows back before the first :meth:`update` that adapts.
@@ -461,7 +464,7 @@ class UnlabeledAdapter:
         self._gate_X[self._gate_fill:self._gate_fill + take] = X[:take]
         self._gate_fill += take
         self._gate_source = self._evidence()
-        return X[take:]
+        return Rows(X.data, X.rows[take:]) if isinstance(X, Rows) else X[take:]
 
     def _evidence(self):
         X = self._gate_X[:self._gate_fill]
@@ -756,7 +759,7 @@ def adapt_unlabeled(runner, X: np.ndarray, settings: UnlabeledSettings | None = 
         adapter = UnlabeledAdapter(runner, settings, gate_rows=n_gate if settings.gate else 0)
         order = np.random.default_rng(settings.seed).permutation(len(X))
         if settings.gate:
-            adapter.hold_back(X[order[:n_gate]], last=True)
+            adapter.hold_back(Rows(X, order[:n_gate]), last=True)
             adapter.update(X, rows=np.sort(order[n_gate:]))  # the caller's order: groups of neighbours
         else:
             adapter.update(X)
@@ -776,7 +779,7 @@ def _cross_fitted(runner, X: np.ndarray, settings: UnlabeledSettings, n_gate: in
     for start in range(0, len(X), n_gate):
         held = order[start:start + n_gate]
         adapter = UnlabeledAdapter(runner, settings, gate_rows=len(held))
-        adapter.hold_back(X[held], last=True)
+        adapter.hold_back(Rows(X, held), last=True)
         adapter.update(X, rows=np.sort(np.concatenate([order[:start], order[start + n_gate:]])))
         decision = adapter.gate()
         adapter.reset()

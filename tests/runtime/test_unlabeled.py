@@ -457,6 +457,25 @@ def test_the_cross_fitted_gate_sees_every_window_once_with_the_source_model_on_i
             np.testing.assert_array_equal(runner._backend.get_tensor(name), ungated._backend.get_tensor(name))
 
 
+def test_held_back_rows_of_a_view_are_the_rows_of_an_array(toy_bundle):
+    """``hold_back`` takes a :class:`Rows` view (copied once, into the gate's buffer) and keeps
+    what it keeps from the array of the same rows; what is left stays a view."""
+    from edgeadapt.runtime.arrays import Rows
+
+    X, _ = balanced(10)
+    rows = np.random.default_rng(3).permutation(len(X))[:12]
+    runner = load(toy_bundle)
+    by_array = UnlabeledAdapter(runner, UnlabeledSettings(gate_windows=8), gate_rows=8)
+    rest_array = by_array.hold_back(X[rows])
+    by_view = UnlabeledAdapter(runner, UnlabeledSettings(gate_windows=8), gate_rows=8)
+    rest_view = by_view.hold_back(Rows(X, rows))
+    np.testing.assert_array_equal(by_view._gate_X, by_array._gate_X)
+    np.testing.assert_array_equal(by_view._gate_X, X[rows[:8]])
+    assert by_view._gate_source == by_array._gate_source
+    assert isinstance(rest_view, Rows) and len(rest_view) == 4
+    np.testing.assert_array_equal(np.asarray(rest_view), rest_array)
+
+
 def test_one_held_back_fold_without_cross_fitting(toy_bundle):
     X, _ = balanced(20)
     result = load(toy_bundle).adapt_unlabeled(X, UnlabeledSettings(prototype_mix=0.0, cross_fit=False))
