@@ -377,14 +377,18 @@ def main(argv=None) -> int:
         return 0
 
     # Constants this script does not fit (the batch-statistics ones of
-    # benchmarks/calibrate_batch_statistics.py, and their measurements) are kept from the file replaced.
+    # benchmarks/calibrate_batch_statistics.py, the recurrent layer's of benchmarks/calibrate_recurrent.py,
+    # and their measurements) are kept from the file replaced.
     out = args.out or ROOT / "edgeadapt" / "sched" / CONSTANTS_FILES[args.backend]
     kept, kept_calibration = {"rollback_factor": 1.0, "rollback_state_factor": 0.0}, {}
+    kept_expected = {}
     if out.exists():
         old = json.loads(out.read_text())
         kept.update({k: v for k, v in old.items()
                      if k not in (*_COLUMNS, "calibration", "expected", "rollback_factor", "rollback_state_factor")})
-        kept_calibration = {k: v for k, v in old.get("calibration", {}).items() if k == "batch_statistics"}
+        kept_calibration = {k: v for k, v in old.get("calibration", {}).items()
+                            if k in ("batch_statistics", "recurrent")}
+        kept_expected = {k: v for k, v in old.get("expected", {}).items() if k == "recurrent_layer_bytes"}
     base = CostModel.from_dict(kept)
 
     fits = {}
@@ -396,7 +400,8 @@ def main(argv=None) -> int:
             log.info("fit %-5s %-8s: %s", figure, kind, fits[f"{figure} {kind}"])
 
     def constants(kind: str) -> dict:
-        return {**kept, **{k: v for k, v in fits[f"{args.fit} {kind}"].items() if k != "relative_errors"}}
+        return {**kept, **(kept_expected if kind == "expected" else {}),
+                **{k: v for k, v in fits[f"{args.fit} {kind}"].items() if k != "relative_errors"}}
 
     models = " + ".join(dict.fromkeys(r["model"] for r in rows))
     cost = CostModel(**constants("bound"), calibration={**kept_calibration,

@@ -23,6 +23,7 @@ Per op:
 * ``param_grad_bytes``: what its backward adds for those copies when its parameters train -- the
   gradient of each copy and one transform step's gradient (2 x the copies), and a GRU's or LSTM's
   gradient kernel's weight-sized accumulators (:func:`recurrent_grad_kernel_bytes`);
+* ``recurrent_layers``: its ``GRU``/``LSTM`` nodes (each with a fixed cost, ``CostModel.recurrent_layer_bytes``);
 * ``flops``: multiply-adds x 2 for Conv/Gemm/MatMul, one per output element otherwise.
 """
 
@@ -340,6 +341,7 @@ def graph_from_onnx(model_proto: onnx.ModelProto, entries: Iterable[ParameterEnt
             kernel_bytes=kernel_bytes[gi],
             param_copy_bytes=copy_bytes[gi],
             param_grad_bytes=PARAM_COPY_GRADIENTS * copy_bytes[gi] + grad_kernel_bytes[gi],
+            recurrent_layers=sum(n.op_type in _RECURRENT_GATES for n in grp["nodes"]),
         ))
     params = []
     for e in entries:

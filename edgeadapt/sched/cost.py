@@ -98,6 +98,10 @@ class CostModel:
             normalisation and running-statistics updates).
         batch_norm_activation_factor: bytes per byte of the outputs over a micro-batch of those
             ops a gradient flows through (the normalised values and moments their backward keeps).
+        recurrent_layer_bytes: fixed bytes per recurrent layer (``Op.recurrent_layers``) of the
+            graph, held for the whole adapt call: what a GRU's or LSTM's kernels and their
+            session build leave in the heap beyond the tensors counted, fitted on calibration
+            recurrent nets (``benchmarks/calibrate_recurrent.py``).
         calibration: where the constants come from (date, versions, command); not compared.
     """
 
@@ -120,6 +124,7 @@ class CostModel:
     statistics_activation_factor: float = 1.0
     batch_norm_op_bytes: int = 0
     batch_norm_activation_factor: float = 0.0
+    recurrent_layer_bytes: int = 0
     calibration: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -128,7 +133,8 @@ class CostModel:
             if f.name != "calibration" and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
                 raise ValueError(f"cost model: {f.name} must be a number >= 0, got {v!r}")
         for f in ("session_overhead_bytes", "prefix_session_overhead_bytes", "per_window_bytes", "grad_op_bytes",
-                  "graph_op_bytes", "statistics_session_bytes", "statistics_op_bytes", "batch_norm_op_bytes"):
+                  "graph_op_bytes", "statistics_session_bytes", "statistics_op_bytes", "batch_norm_op_bytes",
+                  "recurrent_layer_bytes"):
             if not isinstance(getattr(self, f), int):
                 raise ValueError(f"cost model: {f} must be an int")
 
@@ -159,6 +165,11 @@ class CostModel:
         n_ops, outputs = batch_norm_ops(graph, start, grad)
         return self.batch_norm_op_bytes * n_ops + math.ceil(self.batch_norm_activation_factor * micro_batch_windows
                                                             * outputs)
+
+    def recurrent_bytes(self, graph: Graph) -> int:
+        """Fixed bytes of the graph's recurrent layers (every one, wherever it runs: a frozen
+        prefix's layers build their kernels in the feature session, and the heap keeps the mark)."""
+        return self.recurrent_layer_bytes * sum(op.recurrent_layers for op in graph.ops)
 
     def rollback_bytes(self, trained: int, optimizer: str) -> int:
         return math.ceil(trained * (self.rollback_factor + self.rollback_state_factor * self.state_factor(optimizer)))
@@ -435,7 +446,7 @@ def predict(graph: Graph, plan: Plan, cost: CostModel | None = None) -> Peak:
     arr = activation_arrays(graph, trained_names, start)
     session = cost.session_bytes(trained, plan.optimizer) + cost.graph_bytes(
         sum(arr.grad), len(graph.ops) - start, channel_weight_bytes(graph, plan.params)) + cost.batch_norm_bytes(
-        graph, start, m, arr.grad)
+        graph, start, m, arr.grad) + cost.recurrent_bytes(graph)
     cache = plan.n_windows * graph.ops[plan.cut].output_bytes if caching else 0
     rollback = cost.rollback_bytes(trained, plan.optimizer)
     held = session + cache + rollback

@@ -94,6 +94,8 @@ class Op:
             gradients beyond the gradients themselves when they train: the gradient with respect
             to each copy above and one transform step's gradient as it is carried back to the
             parameter, plus a recurrent gradient kernel's own weight-sized accumulators.
+        recurrent_layers: the recurrent layers (ONNX ``GRU``/``LSTM`` nodes) the op runs; each has
+            a fixed cost in the adapt call (``CostModel.recurrent_layer_bytes``).
         flops: forward FLOPs per window (backward is costed as 2x by the planner).
         module: the module path it belongs to.
         saved_traced_bytes: what its backward keeps for exactly ``Graph.traced_windows`` windows
@@ -119,6 +121,7 @@ class Op:
     kernel_bytes: int = 0
     param_copy_bytes: int = 0
     param_grad_bytes: int = 0
+    recurrent_layers: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.differentiable, bool):
@@ -128,7 +131,8 @@ class Op:
         _check_nonneg(f"op {self.name!r}", output_bytes=self.output_bytes, saved_bytes=self.saved_bytes,
                       workspace_bytes=self.workspace_bytes, flops=self.flops,
                       saved_traced_bytes=self.saved_traced_bytes, kernel_bytes=self.kernel_bytes,
-                      param_copy_bytes=self.param_copy_bytes, param_grad_bytes=self.param_grad_bytes)
+                      param_copy_bytes=self.param_copy_bytes, param_grad_bytes=self.param_grad_bytes,
+                      recurrent_layers=self.recurrent_layers)
 
 
 @dataclass(frozen=True)
@@ -248,7 +252,8 @@ class Graph:
                      **({"saved_traced_bytes": o.saved_traced_bytes} if o.saved_traced_bytes else {}),
                      **({"kernel_bytes": o.kernel_bytes} if o.kernel_bytes else {}),
                      **({"param_copy_bytes": o.param_copy_bytes} if o.param_copy_bytes else {}),
-                     **({"param_grad_bytes": o.param_grad_bytes} if o.param_grad_bytes else {})}
+                     **({"param_grad_bytes": o.param_grad_bytes} if o.param_grad_bytes else {}),
+                     **({"recurrent_layers": o.recurrent_layers} if o.recurrent_layers else {})}
                     for o in self.ops],
             # only when measured: graphs without a loss serialise as before the fields existed
             **({"loss_saved_bytes": self.loss_saved_bytes, "loss_peak_bytes": self.loss_peak_bytes}

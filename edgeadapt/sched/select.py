@@ -213,7 +213,8 @@ def build_problem(graph: Graph, units: tuple[Unit, ...], cost: CostModel, *, mic
             keep, low, n_grad, grad = chain_cache[key]
             session_fixed = (cost.session_overhead_bytes + cost.grad_op_bytes * n_grad
                              + cost.graph_op_bytes * (len(graph.ops) - start)
-                             + cost.batch_norm_bytes(graph, start, m, grad))  # as predict's session
+                             + cost.batch_norm_bytes(graph, start, m, grad)
+                             + cost.recurrent_bytes(graph))  # as predict's session
             cache_bytes = n_windows * graph.ops[cut].output_bytes if cache else 0
             # Parameter copies, bounded over every trained subset: all copies of the training
             # graph kept, plus the largest gradient buffers of an op that may train.

@@ -143,6 +143,7 @@ def timeline(graph: Graph, plan: Plan, cost: CostModel | None = None) -> list[Ti
     sim.fixed["grad_op_buffers"] = cost.grad_op_bytes * grad.count(True)
     sim.fixed["graph_op_buffers"] = cost.graph_op_bytes * (n - start)  # every op of the training graph
     sim.fixed["batch_norm_buffers"] = cost.batch_norm_bytes(graph, start, plan.micro_batch_windows, grad)
+    sim.fixed["recurrent_layers"] = cost.recurrent_bytes(graph)
     # Channel-split weights: the graph rebuilds each whole weight and its whole gradient.
     whole = sum(graph.param(pp.name).param_bytes for pp in plan.params if pp.mode is Mode.CHANNELS)
     sim.fixed["channel_weight_copies"] = math.ceil(cost.channel_weight_factor * whole)

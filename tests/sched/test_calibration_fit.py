@@ -64,3 +64,32 @@ def test_the_weights_and_the_constants_are_one_model(cal):
     assert cal._weights(cal._cost_from(weights, TRUTH)) == pytest.approx(weights)
     up = cal._cost_from([w * (1 + 1e-7) for w in weights], TRUTH, up=True)
     assert all(u >= w for u, w in zip(cal._weights(up), weights))
+
+
+def test_the_recurrent_layer_constant_covers_every_repeat():
+    """``calibrate_recurrent.fit``: the expected constant is the mean excess over the expected
+    figure; the bound covers each plan's largest repeat with the margin, whatever constants the
+    rows were predicted with (their share is taken off first)."""
+    fit = load_benchmark("calibrate_recurrent").fit
+    rng = random.Random(5)
+    for _ in range(50):
+        current_e, current_b, margin = rng.randint(0, 5000), rng.randint(5000, 9000), rng.choice([0.0, 0.05])
+        rows = []
+        for plan in range(rng.randint(1, 6)):
+            layers = rng.randint(1, 3)
+            expected, bound = rng.randint(10_000, 90_000), rng.randint(90_000, 120_000)
+            for _ in range(3):
+                rows.append({"plan": str(plan), "layers": layers, "call_peak_anon_bytes": rng.randint(20_000, 150_000),
+                             "expected_bytes": expected + layers * current_e,
+                             "predicted_bytes": bound + layers * current_b})
+        e, b = fit(rows, current_e, current_b, margin)
+        assert 0 <= e <= b
+        for r in rows:  # the bound with the fitted constant covers every repeat by the margin
+            bound = r["predicted_bytes"] - r["layers"] * current_b + r["layers"] * b
+            assert bound >= (1 + margin) * r["call_peak_anon_bytes"] - 1e-6
+        excess = {}
+        for r in rows:
+            excess.setdefault(r["plan"], []).append(
+                (r["call_peak_anon_bytes"] - r["expected_bytes"] + r["layers"] * current_e) / r["layers"])
+        mean = sum(sum(v) / len(v) for v in excess.values()) / len(excess)
+        assert e == max(0, round(mean))

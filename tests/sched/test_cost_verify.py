@@ -43,6 +43,24 @@ def test_predict_and_verify_agree_with_parameter_copies():
         assert peak.peak_bytes >= predict(g, plan, COST).peak_bytes
 
 
+def test_recurrent_layers_add_their_fixed_cost_to_every_phase():
+    """``CostModel.recurrent_layer_bytes`` per recurrent layer of the graph (``Op.recurrent_layers``),
+    held for the whole call: predict and verify agree, and every phase grows by exactly that."""
+    rng, sizes = random.Random(3), random.Random(4)
+    cost = replace(COST, recurrent_layer_bytes=70)
+    for _ in range(200):
+        g = random_graph(rng, rng.randint(1, 12))
+        plan = random_plan(rng, g)
+        recurrent = replace(g, ops=tuple(replace(o, recurrent_layers=sizes.choice([0, 0, 1, 2])) for o in g.ops))
+        layers = sum(o.recurrent_layers for o in recurrent.ops)
+        peak = predict(recurrent, plan, cost)
+        assert verify(recurrent, plan, cost=cost) == peak, plan
+        without = predict(g, plan, cost)
+        assert peak.peak_bytes == without.peak_bytes + 70 * layers
+        assert {k: v - 70 * layers for k, v in peak.phases_bytes.items()} == without.phases_bytes
+        assert predict(recurrent, plan, COST) == predict(g, plan, COST)  # no constant, no cost
+
+
 def test_a_trained_ops_parameter_copies_are_kept_through_the_backward():
     """b reads a 40-byte copy of its weight (gradient buffers 90 bytes): trained, the copy is held
     in the forward and the backward, which also holds the buffers; frozen, the forward holds the

@@ -186,4 +186,5 @@ def test_a_recurrent_layer_keeps_every_step_state_and_gate(cell, bidirectional, 
     rows = directions * (3 if cell is nn.GRU else 4) * hidden
     assert op.param_copy_bytes == 4 * (rows * features + rows * hidden + 2 * rows)
     assert op.param_grad_bytes == 2 * op.param_copy_bytes + 4 * rows * (features + hidden)
+    assert op.recurrent_layers == 1 and sum(o.recurrent_layers for o in g.ops) == 1
     assert Graph.from_dict(g.to_dict()) == g

@@ -17,6 +17,7 @@ from edgeadapt.sched.cost import activation_arrays, predict
 from edgeadapt.sched.plan import Plan, ParamPlan, Action
 
 COST = CostModel(session_overhead_bytes=50, per_window_bytes=2, grad_op_bytes=8)
+RECURRENT_COST = CostModel(session_overhead_bytes=50, per_window_bytes=2, grad_op_bytes=8, recurrent_layer_bytes=300)
 
 
 def _problem(rng, n_ops=6, m=2):
@@ -220,18 +221,21 @@ def test_selection_peak_covers_predict_with_channel_splits():
 
 
 def test_selection_peak_covers_predict_with_parameter_copies():
-    """Ops reading copies of their parameters (``Op.param_copy_bytes`` / ``param_grad_bytes``):
-    ``selection_peak`` still bounds ``predict`` from above for any selection and configuration."""
+    """Ops reading copies of their parameters (``Op.param_copy_bytes`` / ``param_grad_bytes``) and
+    recurrent layers with a fixed cost (``recurrent_layers``): ``selection_peak`` still bounds
+    ``predict`` from above for any selection and configuration."""
     rng, sizes = random.Random(9), random.Random(10)
     checked = 0
     for _ in range(60):
         g = random_graph(rng, rng.randint(1, 6))
         g = replace(g, ops=tuple(replace(o, param_copy_bytes=sizes.choice([0, sizes.randint(1, 400)]),
-                                         param_grad_bytes=sizes.choice([0, sizes.randint(1, 1200)]))
+                                         param_grad_bytes=sizes.choice([0, sizes.randint(1, 1200)]),
+                                         recurrent_layers=sizes.choice([0, 0, 1]))
                                  for o in g.ops))
         importance = {p.name: rng.random() for p in g.params}
         n_windows = rng.randint(1, 20)
-        problem = build_problem(g, candidate_units(g, importance)[:10], COST, micro_batch_windows=rng.randint(1, 3),
-                                n_windows=n_windows, optimizer="adamw", allow_remat=False)
-        checked += _covered_selections(rng, g, problem, COST, n_windows)
+        problem = build_problem(g, candidate_units(g, importance)[:10], RECURRENT_COST,
+                                micro_batch_windows=rng.randint(1, 3), n_windows=n_windows, optimizer="adamw",
+                                allow_remat=False)
+        checked += _covered_selections(rng, g, problem, RECURRENT_COST, n_windows)
     assert checked > 200
