@@ -32,7 +32,6 @@ import math
 import shlex
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,37 +62,18 @@ def fit(rows: list[dict], current_expected: int, current_bound: int, margin: flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--nets", nargs="+", default=list(CALIBRATION_NETS), help="kind:input:hidden, kind gru or lstm")
-    ap.add_argument("--micro", type=int, nargs="+", default=[1, 16], help="micro-batches (windows) to plan")
-    ap.add_argument("--time-steps", type=int, default=32)
-    ap.add_argument("--n-windows", type=int, default=40)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--epochs", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=3, help="fresh processes per plan")
-    ap.add_argument("--margin", type=float, default=0.05, help="the bound covers each plan's largest repeat by this")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=ROOT / "edgeadapt" / "sched" / "cost_model.json")
-    args = ap.parse_args(argv)
-
-    from recurrent_budget import measure_net  # benchmarks/, the script's directory
+    from recurrent_budget import measure_nets, parse_net_args  # benchmarks/, the script's directory
 
     from edgeadapt.atomic import atomic_write_json
     from edgeadapt.sched import CostModel
 
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--margin", type=float, default=0.05, help="the bound covers each plan's largest repeat by this")
+    ap.add_argument("--out", type=Path, default=ROOT / "edgeadapt" / "sched" / "cost_model.json")
+    args = parse_net_args(ap, argv, CALIBRATION_NETS, 3, "fresh processes per plan")
     shipped = CostModel.default("ort-training")
     current = (CostModel.expected("ort-training").recurrent_layer_bytes, shipped.recurrent_layer_bytes)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for spec in args.nets:
-            for micro in args.micro:
-                for repeat in range(args.repeats):
-                    row = measure_net(spec, micro, args, Path(tmp), repeat)
-                    row.update(plan=f"{spec} micro {micro}", layers=1)
-                    rows.append(row)
-                    print(f"{row['plan']} #{repeat}: expected {row['expected_bytes'] / 1024:.0f} bound "
-                          f"{row['predicted_bytes'] / 1024:.0f} measured {row['call_peak_anon_bytes'] / 1024:.0f} "
-                          "KiB anon", flush=True)
+    rows = [{**row, "layers": 1} for row in measure_nets(args)]  # each net has one recurrent layer
     expected, bound = fit(rows, *current, args.margin)
     print(f"recurrent_layer_bytes: expected {expected} ({expected / 1024:.0f} KiB), bound {bound} "
           f"({bound / 1024:.0f} KiB); before {current[0]} / {current[1]}")

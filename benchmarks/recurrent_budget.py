@@ -105,33 +105,48 @@ def to_markdown(rows: list[dict], command: str, args) -> str:
     return "\n".join(out) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--nets", nargs="+", default=list(DEFAULT_NETS), help="kind:input:hidden, kind gru or lstm")
+def parse_net_args(ap: argparse.ArgumentParser, argv: list[str] | None, nets: tuple[str, ...], repeats: int,
+                   help_repeats: str) -> argparse.Namespace:
+    """Add the options every recurrent-net measurement takes (``nets``, ``repeats``: their
+    defaults), parse ``argv`` and check the nets' specs."""
+    ap.add_argument("--nets", nargs="+", default=list(nets), help="kind:input:hidden, kind gru or lstm")
     ap.add_argument("--micro", type=int, nargs="+", default=[1, 16], help="micro-batches (windows) to plan")
     ap.add_argument("--time-steps", type=int, default=32)
     ap.add_argument("--n-windows", type=int, default=40)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--epochs", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=1, help="measurements per net and micro-batch")
+    ap.add_argument("--repeats", type=int, default=repeats, help=help_repeats)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "recurrent_budget")
     args = ap.parse_args(argv)
     for spec in args.nets:
         parts = spec.split(":")
         if len(parts) != 3 or parts[0] not in ("gru", "lstm") or not all(p.isdigit() for p in parts[1:]):
             ap.error(f"--nets takes kind:input:hidden with kind gru or lstm, got {spec!r}")
-    command = "python benchmarks/recurrent_budget.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    return args
+
+
+def measure_nets(args: argparse.Namespace) -> list[dict]:
+    """Every net x micro-batch x repeat of ``args``, each measured in a fresh process, printed as it comes."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for spec in args.nets:
             for micro in args.micro:
                 for repeat in range(args.repeats):
                     row = measure_net(spec, micro, args, Path(tmp), repeat)
+                    row["plan"] = f"{spec} micro {micro}"
                     rows.append(row)
-                    print(f"{spec} micro {row['micro_batch_windows']}: expected {row['expected_bytes'] / 1024:.0f} "
-                          f"bound {row['predicted_bytes'] / 1024:.0f} measured {row['call_peak_anon_bytes'] / 1024:.0f}"
-                          " KiB anon", flush=True)
+                    print(f"{row['plan']} #{repeat}: expected {row['expected_bytes'] / 1024:.0f} bound "
+                          f"{row['predicted_bytes'] / 1024:.0f} measured {row['call_peak_anon_bytes'] / 1024:.0f} "
+                          "KiB anon", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "recurrent_budget")
+    args = parse_net_args(ap, argv, DEFAULT_NETS, 1, "measurements per net and micro-batch")
+    command = "python benchmarks/recurrent_budget.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    rows = measure_nets(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
     args.out.with_suffix(".md").write_text(to_markdown(rows, command, args))
