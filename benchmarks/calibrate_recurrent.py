@@ -44,14 +44,14 @@ CALIBRATION_NETS = ("gru:8:8", "gru:16:32", "gru:48:24", "lstm:8:8", "lstm:16:32
 
 def fit(rows: list[dict], current_expected: int, current_bound: int, margin: float) -> tuple[int, int]:
     """(expected, bound) bytes per recurrent layer from measured ``rows`` (one per repeat; each
-    with ``plan``, ``layers``, ``expected_bytes``, ``predicted_bytes`` made with the current
+    with ``plan``, ``recurrent_layers``, ``expected_bytes``, ``predicted_bytes`` made with the current
     constants ``current_expected`` / ``current_bound``, and ``call_peak_anon_bytes``)."""
     plans: dict[str, list[dict]] = {}
     for r in rows:
         plans.setdefault(r["plan"], []).append(r)
     over_expected, needed = [], []
     for reps in plans.values():
-        layers = reps[0]["layers"]
+        layers = reps[0]["recurrent_layers"]
         measured = [r["call_peak_anon_bytes"] for r in reps]
         expected_without = reps[0]["expected_bytes"] - layers * current_expected
         bound_without = reps[0]["predicted_bytes"] - layers * current_bound
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_net_args(ap, argv, CALIBRATION_NETS, 3, "fresh processes per plan")
     shipped = CostModel.default("ort-training")
     current = (CostModel.expected("ort-training").recurrent_layer_bytes, shipped.recurrent_layer_bytes)
-    rows = [{**row, "layers": 1} for row in measure_nets(args)]  # each net has one recurrent layer
+    rows = measure_nets(args)
     expected, bound = fit(rows, *current, args.margin)
     print(f"recurrent_layer_bytes: expected {expected} ({expected / 1024:.0f} KiB), bound {bound} "
           f"({bound / 1024:.0f} KiB); before {current[0]} / {current[1]}")

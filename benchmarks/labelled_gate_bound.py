@@ -30,24 +30,22 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))  # loso.py, whose studies this reads
+
+from loso import study_dataset  # noqa: E402
 
 from edgeadapt.atomic import atomic_write_json  # noqa: E402
-from edgeadapt.datasets import SyntheticConfig, load_dataset, make_synthetic  # noqa: E402
 from edgeadapt.datasets.shifts import shift_subject  # noqa: E402
 from edgeadapt.harness.study import make_split  # noqa: E402
 
 HURT_POINTS = 1.0
 
 
-def _dataset(name: str, seed: int):
-    return make_synthetic(SyntheticConfig(seed=seed)) if name == "synthetic" else load_dataset(name)
-
-
 def fold_rows(path: Path) -> list[dict]:
     """One dict per label-free fold of the study at ``path`` whose gate evidence is cross-fitted."""
     study = json.loads(path.read_text())
     cfg = study["config"]
-    ds = _dataset(cfg["dataset"], cfg["seed"])
+    ds = study_dataset(cfg["dataset"], cfg["seed"])
     out = []
     for row in study["rows"]:
         if row["method"] != "label-free" or not row["label_free"].get("cross_fitted"):
@@ -58,19 +56,20 @@ def fold_rows(path: Path) -> list[dict]:
                            unlabeled_fraction=cfg["unlabeled_fraction"])
         settings, gate = row["label_free"]["settings"], row["label_free"]["gate"]
         y = np.asarray(split.target_adapt.y)
-        # the cross-fitted evidence lists the windows in the gate's seeded permutation's order
-        order = np.random.default_rng(settings["seed"]).permutation(len(y))
         source = np.asarray(gate["source"]["classes"])
         adapted = np.asarray(gate["adapted"]["classes"])
         if len(source) != len(y):
             raise SystemExit(f"{path.name}, subject {target}: the gate saw {len(source)} windows, the split has "
                              f"{len(y)}: this is not the study's split (another dataset version or config?)")
-        d = (adapted == y[order]).astype(float) - (source == y[order]).astype(float)
+        # the cross-fitted evidence lists the windows in the gate's seeded permutation's order
+        truth = y[np.random.default_rng(settings["seed"]).permutation(len(y))]
+        source_right = source == truth
+        d = (adapted == truth).astype(float) - source_right.astype(float)
         out.append({
             "study": path.stem, "subject": target, "n_windows": len(y),
             "labelled_points": 100 * float(d.mean()),
             "labelled_se_points": 100 * math.sqrt(float((d ** 2).sum())) / len(d),
-            "source_accuracy_adapt_windows": float((source == y[order]).mean()),
+            "source_accuracy_adapt_windows": float(source_right.mean()),
             "eval_points": 100 * (row["accuracy"] - row["accuracy_source_only"]),
             "label_free_kept": bool(gate["kept"]),
             "changed_fraction": float(gate["changed_fraction"]),

@@ -98,7 +98,9 @@ FLOAT32_BYTES = 4
 PEAKS = ("step_peak_bytes", "call_peak_bytes", "step_peak_anon_bytes", "call_peak_anon_bytes")
 
 
-def _load(name: str, seed: int) -> WindowDataset:
+def study_dataset(name: str, seed: int) -> WindowDataset:
+    """The dataset a study of ``--dataset name --seed seed`` runs on (also for scripts that
+    rebuild a finished study's folds, e.g. ``labelled_gate_bound.py``)."""
     if name == "synthetic":  # seeded like the quickstart
         return make_synthetic(SyntheticConfig(seed=seed))
     return load_dataset(name)
@@ -365,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join([".venv/bin/python", "benchmarks/loso.py",
                         *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
     start = time.perf_counter()
-    ds = _load(args.dataset, args.seed)
+    ds = study_dataset(args.dataset, args.seed)
     subjects = [int(s) for s in ds.subjects]
     if args.subjects:
         unknown = sorted(set(args.subjects) - set(subjects))

@@ -80,6 +80,7 @@ def measure_net(spec: str, micro: int, args, workdir: Path, repeat: int) -> dict
             "predicted_bytes": int(manifest.plan["predicted_peak_bytes"]),
             "expected_bytes": (manifest.plan.get("expected_peak_bytes") or {}).get("ort-training"),
             "param_copy_bytes": rnn.param_copy_bytes, "param_grad_bytes": rnn.param_grad_bytes,
+            "recurrent_layers": sum(o.recurrent_layers for o in graph.ops),
             "call_peak_anon_bytes": got["call_peak_anon_bytes"], "call_peak_bytes": got["call_peak_bytes"]}
 
 

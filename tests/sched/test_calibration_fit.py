@@ -79,17 +79,19 @@ def test_the_recurrent_layer_constant_covers_every_repeat():
             layers = rng.randint(1, 3)
             expected, bound = rng.randint(10_000, 90_000), rng.randint(90_000, 120_000)
             for _ in range(3):
-                rows.append({"plan": str(plan), "layers": layers, "call_peak_anon_bytes": rng.randint(20_000, 150_000),
+                rows.append({"plan": str(plan), "recurrent_layers": layers,
+                             "call_peak_anon_bytes": rng.randint(20_000, 150_000),
                              "expected_bytes": expected + layers * current_e,
                              "predicted_bytes": bound + layers * current_b})
         e, b = fit(rows, current_e, current_b, margin)
         assert 0 <= e <= b
         for r in rows:  # the bound with the fitted constant covers every repeat by the margin
-            bound = r["predicted_bytes"] - r["layers"] * current_b + r["layers"] * b
+            bound = r["predicted_bytes"] - r["recurrent_layers"] * current_b + r["recurrent_layers"] * b
             assert bound >= (1 + margin) * r["call_peak_anon_bytes"] - 1e-6
         excess = {}
         for r in rows:
             excess.setdefault(r["plan"], []).append(
-                (r["call_peak_anon_bytes"] - r["expected_bytes"] + r["layers"] * current_e) / r["layers"])
+                (r["call_peak_anon_bytes"] - r["expected_bytes"] + r["recurrent_layers"] * current_e)
+                / r["recurrent_layers"])
         mean = sum(sum(v) / len(v) for v in excess.values()) / len(excess)
         assert e == max(0, round(mean))
